@@ -1,0 +1,50 @@
+"""Recogniser engines behind one interface.
+
+A ``Model`` is loaded once per worker process (before it forks, so model pages are
+shared); ``model.stream(sample_rate, checkpoint)`` opens a per-session ``Stream`` whose
+``feed(pcm, sample_rate)`` and ``flush()`` return result dicts::
+
+    {"type": "partial" | "final", "text", "utterance", "start", "end", "words"?}
+
+Engines never touch Redis or sockets: the worker publishes what they return.
+
+``Stream.checkpoint`` is the stream's state at its last reset point (after each final):
+``model.stream(rate, checkpoint)`` rebuilds a stream that continues exactly as the
+original would from the next chunk on.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Stream(Protocol):
+    checkpoint: dict
+
+    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]: ...
+
+    def flush(self) -> list[dict]: ...
+
+    def close(self) -> None: ...
+
+
+class Model(Protocol):
+    name: str
+
+    def preload(self, n: int) -> None: ...
+
+    def stream(self, sample_rate: int, checkpoint: dict | None = None) -> Stream: ...
+
+
+ENGINES = ("pocketsphinx", "null")
+
+
+def load_model(engine: str, settings) -> Model:
+    """Load the named engine's model with the recogniser settings."""
+    if engine == "pocketsphinx":
+        from .pocketsphinx_engine import PocketSphinxModel
+        return PocketSphinxModel(settings)
+    if engine == "null":
+        from .null_engine import NullModel
+        return NullModel()
+    raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")

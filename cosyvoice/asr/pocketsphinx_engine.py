@@ -1,0 +1,271 @@
+"""PocketSphinx engine with the US English model its PyPI wheel ships.
+
+An endpointer (PocketSphinx's VAD-based ``Endpointer``) splits the stream into
+utterances; the decoder sees only speech. Partials are sent when the hypothesis changes,
+a final at each endpoint, at ``flush`` and when an utterance reaches the length cap.
+
+Reproducibility: PocketSphinx carries its cepstral-mean estimate from one utterance to
+the next inside a decoder, and other feature state besides. Every utterance therefore
+starts from ``reinit_feat()`` plus the session's own saved CMN string, so a transcript
+never depends on which decoder served it, and a stream rebuilt from a checkpoint continues
+exactly like the original. After each final the front end (endpointer, resampler, frame
+buffer) is reset at the chunk boundary; that reset point is the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pocketsphinx
+
+from .resample import StreamingResampler
+
+log = logging.getLogger(__name__)
+
+MODEL_RATE = 16000
+FRAMES_PER_S = 100
+_VARIANT = re.compile(r"\(\d+\)$")
+
+
+def _is_filler(word: str) -> bool:
+    return word.startswith(("<", "[", "++")) or word.endswith("++")
+
+
+def clean_word(word: str) -> str | None:
+    """A decoder word as users see it, or None for silence and fillers."""
+    if _is_filler(word):
+        return None
+    return _VARIANT.sub("", word)
+
+
+class PocketSphinxModel:
+    """Decoders for one worker process; create them before forking so pages are shared."""
+
+    name = "pocketsphinx"
+
+    def __init__(self, settings):
+        self.settings = settings
+        self._free: list[pocketsphinx.Decoder] = []
+        first = self._new_decoder()
+        # The CMN a fresh decoder starts from: every session starts from it.
+        self.initial_cmn = first.get_cmn()
+        self._free.append(first)
+
+    @staticmethod
+    def _new_decoder() -> pocketsphinx.Decoder:
+        return pocketsphinx.Decoder(loglevel="FATAL", samprate=MODEL_RATE)
+
+    def preload(self, n: int) -> None:
+        while len(self._free) < n:
+            self._free.append(self._new_decoder())
+
+    def _take(self) -> pocketsphinx.Decoder:
+        if self._free:
+            return self._free.pop()
+        log.warning("decoder pool empty; creating a decoder after fork (memory not shared)")
+        return self._new_decoder()
+
+    def _give_back(self, decoder: pocketsphinx.Decoder) -> None:
+        self._free.append(decoder)
+
+    def stream(self, sample_rate: int, checkpoint: dict | None = None) -> "PocketSphinxStream":
+        cp = checkpoint or {"cmn": self.initial_cmn, "offset": 0, "utterance": 0,
+                            "rate": sample_rate}
+        return PocketSphinxStream(self, self._take(), cp)
+
+
+class PocketSphinxStream:
+    def __init__(self, model: PocketSphinxModel, decoder: pocketsphinx.Decoder, cp: dict):
+        self._model = model
+        self._dec = decoder
+        s = model.settings
+        self._window = s.endpoint_window_s
+        self._ratio = s.endpoint_ratio
+        self._max_utt_samples = int(s.max_utterance_s * MODEL_RATE)
+        self._preroll = int(s.endpoint_preroll_s * MODEL_RATE)
+        # The endpointer reports a start up to one window late: keep that much and more.
+        self._history_bytes = 2 * (self._preroll + int((self._window + 0.2) * MODEL_RATE))
+        self._cmn = cp["cmn"]
+        self._offset = int(cp["offset"])  # model-rate samples received since session start
+        self._utt = int(cp["utterance"])
+        self._rate = int(cp["rate"])
+        self._reset_front_end()
+
+    # ---- state ------------------------------------------------------------------------
+
+    @property
+    def checkpoint(self) -> dict:
+        return {"cmn": self._cmn, "offset": self._ep_base, "utterance": self._utt,
+                "rate": self._rate}
+
+    def _reset_front_end(self) -> None:
+        self._ep = pocketsphinx.Endpointer(window=self._window, ratio=self._ratio,
+                                           sample_rate=MODEL_RATE)
+        self._ep_base = self._offset
+        self._buf = bytearray()
+        self._ep_pos = 0  # samples the endpointer has seen since the reset
+        self._history = bytearray()  # the latest audio the endpointer saw, for pre-roll
+        self._resampler = (None if self._rate == MODEL_RATE
+                           else StreamingResampler(self._rate, MODEL_RATE))
+        self._in_utt = False
+        self._utt_start = 0
+        self._last_partial = ""
+
+    def _seconds(self, samples: int) -> float:
+        return round(samples / MODEL_RATE, 3)
+
+    # ---- input ------------------------------------------------------------------------
+
+    def _to_model_rate(self, pcm: bytes, sample_rate: int | None) -> bytes:
+        head = b""
+        if sample_rate and sample_rate != self._rate:
+            # Rate switch: drain the old resampler, keep the decoder state.
+            if self._resampler is not None:
+                head = self._resampler.flush()
+            self._rate = sample_rate
+            self._resampler = (None if sample_rate == MODEL_RATE
+                               else StreamingResampler(sample_rate, MODEL_RATE))
+        if self._resampler is not None:
+            pcm = self._resampler.feed(pcm)
+        return head + pcm
+
+    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
+        data = self._to_model_rate(pcm, sample_rate)
+        self._offset += len(data) // 2
+        self._buf += data
+        speech = bytearray()
+        final = self._consume_frames(speech)
+        if final is not None:
+            # The rest of this chunk follows an endpoint; the reset point is the chunk
+            # boundary, where a rebuilt stream would start too.
+            self._reset_front_end()
+            return final
+        if not self._in_utt:
+            return []
+        self._process(speech)
+        if self._ep_base + self._ep_pos - self._utt_start >= self._max_utt_samples:
+            final = self._finish(self._ep_base + self._ep_pos)
+            self._reset_front_end()
+            return final
+        return self._partial()
+
+    def _consume_frames(self, speech: bytearray) -> list[dict] | None:
+        """Run whole frames through the endpointer; a list (maybe empty) at an endpoint."""
+        fb = self._ep.frame_bytes
+        while len(self._buf) >= fb:
+            frame = bytes(self._buf[:fb])
+            del self._buf[:fb]
+            self._ep_pos += fb // 2
+            self._history += frame
+            if len(self._history) > self._history_bytes:
+                del self._history[:len(self._history) - self._history_bytes]
+            final = self._frame(frame, speech)
+            if final is not None:
+                return final
+        return None
+
+    def _frame(self, frame: bytes, speech: bytearray) -> list[dict] | None:
+        was_in_speech = self._ep.in_speech
+        out = self._ep.process(frame)
+        if out is None:
+            return None
+        if not was_in_speech:
+            speech += self._start_utterance()
+        speech += out
+        if not self._ep.in_speech:
+            self._process(speech)
+            end = self._ep_base + int(round(self._ep.speech_end * MODEL_RATE))
+            return self._finish(end)
+        return None
+
+    def _start_utterance(self) -> bytes:
+        """Start decoding; returns the pre-roll audio just before the detected start.
+
+        The endpointer needs most of a window of speech before it calls a start, so the
+        onset of the first word (a soft "the") would be lost without some audio from
+        before ``speech_start``.
+        """
+        self._dec.reinit_feat()
+        self._dec.set_cmn(self._cmn)
+        self._dec.start_utt()
+        self._in_utt = True
+        self._last_partial = ""
+        start = int(round(self._ep.speech_start * MODEL_RATE))
+        hist_start = self._ep_pos - len(self._history) // 2
+        pre_from = max(hist_start, start - self._preroll, 0)
+        self._utt_start = self._ep_base + pre_from
+        return bytes(self._history[(pre_from - hist_start) * 2:(start - hist_start) * 2])
+
+    def _process(self, speech: bytearray) -> None:
+        if speech:
+            self._dec.process_raw(bytes(speech))
+            speech.clear()
+
+    # ---- output -----------------------------------------------------------------------
+
+    def _partial(self) -> list[dict]:
+        hyp = self._dec.hyp()
+        text = hyp.hypstr if hyp is not None else ""
+        if not text or text == self._last_partial:
+            return []
+        self._last_partial = text
+        return [{"type": "partial", "text": text, "utterance": self._utt,
+                 "start": self._seconds(self._utt_start),
+                 "end": self._seconds(self._offset)}]
+
+    def _finish(self, end_sample: int) -> list[dict]:
+        """End the utterance in progress and return its final (if it has anything)."""
+        self._dec.end_utt()
+        self._in_utt = False
+        self._cmn = self._dec.get_cmn()
+        words = []
+        for seg in self._dec.seg():
+            word = clean_word(seg.word)
+            if word is None:
+                continue
+            words.append({
+                "word": word,
+                "start": self._seconds(self._utt_start + seg.start_frame * MODEL_RATE // FRAMES_PER_S),
+                "end": self._seconds(self._utt_start + (seg.end_frame + 1) * MODEL_RATE // FRAMES_PER_S),
+                "conf": round(float(getattr(seg, "prob", 1.0)), 3),
+            })
+        if not words and not self._last_partial:
+            return []
+        final = {"type": "final", "text": " ".join(w["word"] for w in words),
+                 "utterance": self._utt, "start": self._seconds(self._utt_start),
+                 "end": self._seconds(end_sample), "words": words}
+        self._utt += 1
+        return [final]
+
+    def flush(self) -> list[dict]:
+        """End of stream: decode what is buffered and return the last final."""
+        if self._resampler is not None:
+            tail = self._resampler.flush()
+            self._offset += len(tail) // 2
+            self._buf += tail
+        speech = bytearray()
+        final = self._consume_frames(speech)
+        if final is None and self._ep.in_speech:
+            # end_stream releases the frames the endpointer still holds back; it needs
+            # a frame's worth of input at most and at least one sample.
+            was_in_utt = self._in_utt
+            last = bytes(self._buf) or bytes(self._ep.frame_bytes)
+            tail = self._ep.end_stream(last) or b""
+            if tail and not was_in_utt:
+                speech += self._start_utterance()
+            speech += tail
+        self._buf.clear()
+        if final is None and self._in_utt:
+            self._process(speech)
+            final = self._finish(self._offset)
+        self._reset_front_end()
+        return final or []
+
+    def close(self) -> None:
+        if self._in_utt:
+            self._dec.end_utt()
+            self._in_utt = False
+        if self._dec is not None:
+            self._model._give_back(self._dec)
+            self._dec = None

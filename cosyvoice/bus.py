@@ -1,0 +1,286 @@
+"""Every Redis key and command cosyvoice uses.
+
+All keys of one session share the hash tag ``{SID}`` so the layout runs unchanged on
+Redis Cluster. Multi-step updates are Lua scripts, so each is one atomic round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import redis
+
+SESSIONS = "sessions"
+WORKER_GROUP = "workers"
+WORKERS = "workers"
+# The announcement stream keeps this many entries (each is a few dozen bytes).
+SESSIONS_MAXLEN = 10000
+
+
+def audio_key(sid: str) -> str:
+    return f"audio:{{{sid}}}"
+
+
+def text_key(sid: str) -> str:
+    """Both the result stream (replay) and the pub/sub channel (live)."""
+    return f"text:{{{sid}}}"
+
+
+def session_key(sid: str) -> str:
+    return f"session:{{{sid}}}"
+
+
+def lease_key(sid: str) -> str:
+    return f"lease:{{{sid}}}"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"worker:{worker_id}"
+
+
+def session_keys(sid: str) -> list[str]:
+    return [session_key(sid), audio_key(sid), text_key(sid), lease_key(sid)]
+
+
+def sid_from_channel(channel: str) -> str:
+    return channel[channel.index("{") + 1:channel.rindex("}")]
+
+
+# Checks the chunk's seq against the session's next_seq and appends it atomically.
+# Returns {status, next_seq}: 0 appended, 1 duplicate, -1 no session, -3 gap,
+# -4 the stream already ended.
+_APPEND = """
+local st = redis.call('HMGET', KEYS[1], 'next_seq', 'status')
+if not st[1] then return {-1, 0} end
+local nxt = tonumber(st[1])
+local seq = tonumber(ARGV[1])
+if seq < nxt then return {1, nxt} end
+if st[2] ~= 'active' then return {-4, nxt} end
+if seq > nxt then return {-3, nxt} end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'pb', ARGV[2])
+redis.call('HSET', KEYS[1], 'next_seq', nxt + 1, 'rate', ARGV[4])
+if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'status', 'ended') end
+return {0, nxt + 1}
+"""
+
+# Appends results to the replay stream and publishes each, but only while the session
+# exists (a stopped session must not be recreated). ARGV: maxlen, ttl, checkpoint or '',
+# results... The replay stream lives as long as a disconnected session, else ttl.
+# The published message is "<stream id> <json>", so clients can resume after an id.
+_PUBLISH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local ttl = redis.call('PTTL', KEYS[1])
+for i = 4, #ARGV do
+  local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'r', ARGV[i])
+  redis.call('PUBLISH', KEYS[2], id .. ' ' .. ARGV[i])
+end
+if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) else redis.call('EXPIRE', KEYS[2], ARGV[2]) end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'checkpoint', ARGV[3]) end
+return 1
+"""
+
+# Renews a lease its owner holds; 1 renewed, 0 not ours, -1 the session is gone.
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('DEL', KEYS[1]) return -1 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class AppendStatus:
+    APPENDED = 0
+    DUPLICATE = 1
+    NO_SESSION = -1
+    GAP = -3
+    ENDED = -4
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    status: int
+    next_seq: int
+
+
+@dataclass(frozen=True)
+class Announcement:
+    msg_id: str
+    sid: str
+
+
+def connect(url: str, max_connections: int = 512, blocking: bool = True) -> redis.Redis:
+    """A client whose pool waits for a free connection instead of failing at the cap."""
+    pool_cls = redis.BlockingConnectionPool if blocking else redis.ConnectionPool
+    kwargs = {"max_connections": max_connections}
+    if blocking:
+        kwargs["timeout"] = 10
+    pool = pool_cls.from_url(url, health_check_interval=30, **kwargs)
+    return redis.Redis(connection_pool=pool)
+
+
+class Bus:
+    """Typed access to the Redis layout for the gateway and the worker."""
+
+    def __init__(self, client: redis.Redis, stream_maxlen: int = 1000):
+        self.r = client
+        self.stream_maxlen = stream_maxlen
+        self._append = client.register_script(_APPEND)
+        self._publish = client.register_script(_PUBLISH)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+
+    # ---- gateway side -------------------------------------------------------------
+
+    def create_session(self, sid: str, sample_rate: int) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(session_key(sid), mapping={
+            "rate": sample_rate, "start_rate": sample_rate, "next_seq": 0, "status": "active",
+            "created_ms": int(time.time() * 1000)})
+        pipe.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN, approximate=True)
+        pipe.execute()
+
+    def append_chunks(self, items: list[tuple[str, int, bytes, int, bool]]) -> list:
+        """Append (sid, seq, pb, rate, last) items in order with one round trip.
+
+        Returns one ``AppendResult`` or exception per item.
+        """
+        pipe = self.r.pipeline(transaction=False)
+        for sid, seq, pb, rate, last in items:
+            self._append(keys=[session_key(sid), audio_key(sid)],
+                         args=[seq, pb, self.stream_maxlen, rate, 1 if last else 0],
+                         client=pipe)
+        replies = pipe.execute(raise_on_error=False)
+        return [r if isinstance(r, Exception) else AppendResult(int(r[0]), int(r[1]))
+                for r in replies]
+
+    def session_info(self, sid: str) -> dict[str, str]:
+        raw = self.r.hgetall(session_key(sid))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def delete_session(self, sid: str) -> None:
+        self.r.delete(*session_keys(sid))
+
+    def expire_session(self, sid: str, seconds: float) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for key in session_keys(sid):
+            if key != lease_key(sid):
+                pipe.pexpire(key, int(seconds * 1000))
+        pipe.execute()
+
+    def results_after(self, sid: str, after_id: str = "-", count: int = 1000):
+        """Results stored after stream id ``after_id`` (exclusive), for replay."""
+        start = "-" if after_id in ("", "-", None) else "(" + after_id
+        return [(mid.decode(), fields[b"r"].decode())
+                for mid, fields in self.r.xrange(text_key(sid), start, "+", count=count)]
+
+    def live_workers(self) -> list[dict]:
+        """Workers whose heartbeat has not lapsed, with their load and capacity."""
+        now_ms = int(time.time() * 1000)
+        ids = [i.decode() for i in self.r.zrangebyscore(WORKERS, now_ms, "+inf")]
+        if not ids:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for wid in ids:
+            pipe.hgetall(worker_key(wid))
+        out = []
+        for wid, info in zip(ids, pipe.execute()):
+            if info:
+                out.append({"id": wid, **{k.decode(): int(v) for k, v in info.items()}})
+        return out
+
+    # ---- worker side --------------------------------------------------------------
+
+    def ensure_group(self) -> None:
+        try:
+            self.r.xgroup_create(SESSIONS, WORKER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def claim_new(self, consumer: str, count: int, block_ms: int | None) -> list[Announcement]:
+        reply = self.r.xreadgroup(WORKER_GROUP, consumer, {SESSIONS: ">"}, count=count,
+                                  block=block_ms)
+        return [Announcement(mid.decode(), fields[b"sid"].decode())
+                for _stream, entries in (reply or []) for mid, fields in entries if fields]
+
+    def claim_abandoned(self, consumer: str, min_idle_ms: int, count: int) -> list[Announcement]:
+        """Announcements whose consumer has not touched them for ``min_idle_ms``."""
+        reply = self.r.xautoclaim(SESSIONS, WORKER_GROUP, consumer, min_idle_ms,
+                                  start_id="0-0", count=count)
+        entries = reply[1] if reply else []
+        return [Announcement(mid.decode(), fields[b"sid"].decode())
+                for mid, fields in entries if fields]
+
+    def touch_announcements(self, consumer: str, msg_ids: list[str]) -> None:
+        """Reset the idle time of announcements we own, so nobody claims them."""
+        if msg_ids:
+            self.r.xclaim(SESSIONS, WORKER_GROUP, consumer, 0, msg_ids, justid=True)
+
+    def ack_announcement(self, msg_id: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xack(SESSIONS, WORKER_GROUP, msg_id)
+        pipe.xdel(SESSIONS, msg_id)
+        pipe.execute()
+
+    def reannounce(self, sid: str, old_msg_id: str) -> None:
+        """Hand a session to the next free worker at once (graceful shutdown)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN, approximate=True)
+        pipe.xack(SESSIONS, WORKER_GROUP, old_msg_id)
+        pipe.xdel(SESSIONS, old_msg_id)
+        pipe.execute()
+
+    def take_lease(self, sid: str, worker_id: str, ttl_ms: int) -> bool:
+        return bool(self.r.set(lease_key(sid), worker_id, nx=True, px=ttl_ms))
+
+    def renew_leases(self, sids: list[str], worker_id: str, ttl_ms: int) -> dict[str, int]:
+        """Renew every lease in one round trip; 1 kept, 0 lost, -1 session gone."""
+        pipe = self.r.pipeline(transaction=False)
+        for sid in sids:
+            self._renew(keys=[lease_key(sid), session_key(sid)], args=[worker_id, ttl_ms],
+                        client=pipe)
+        return dict(zip(sids, (int(x) for x in pipe.execute()))) if sids else {}
+
+    def release_lease(self, sid: str, worker_id: str) -> None:
+        self._release(keys=[lease_key(sid)], args=[worker_id])
+
+    def read_audio(self, positions: dict[str, str], count: int, block_ms: int | None):
+        """New audio entries of each session after its position: {sid: [(id, pb)]}."""
+        streams = {audio_key(sid): pos for sid, pos in positions.items()}
+        reply = self.r.xread(streams, count=count, block=block_ms)
+        out: dict[str, list[tuple[str, bytes]]] = {}
+        for key, entries in reply or []:
+            sid = sid_from_channel(key.decode())
+            out[sid] = [(mid.decode(), fields[b"pb"]) for mid, fields in entries]
+        return out
+
+    def publish_results(self, sid: str, results: list[dict], ttl_s: int,
+                        checkpoint: dict | None = None) -> bool:
+        """Store and publish results; False when the session no longer exists."""
+        if not results and checkpoint is None:
+            return True
+        args = [self.stream_maxlen, ttl_s, json.dumps(checkpoint) if checkpoint else ""]
+        args += [json.dumps(r, separators=(",", ":")) for r in results]
+        return bool(self._publish(keys=[session_key(sid), text_key(sid)], args=args))
+
+    def heartbeat(self, worker_id: str, load: int, capacity: int, ttl_ms: int) -> None:
+        now_ms = int(time.time() * 1000)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(worker_key(worker_id), mapping={"load": load, "capacity": capacity})
+        pipe.pexpire(worker_key(worker_id), ttl_ms)
+        pipe.zadd(WORKERS, {worker_id: now_ms + ttl_ms})
+        pipe.zremrangebyscore(WORKERS, "-inf", now_ms - 60_000)
+        pipe.execute()
+
+    def remove_worker(self, worker_id: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zrem(WORKERS, worker_id)
+        pipe.delete(worker_key(worker_id))
+        pipe.execute()

@@ -1,0 +1,206 @@
+"""The ``cosyvoice`` command: serve, gateway, worker, transcribe.
+
+Imports stay lazy: ``gateway`` must let gevent patch the standard library before redis
+or Flask are imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from .settings import Settings
+
+
+def _settings_parser() -> argparse.ArgumentParser:
+    """Flags for every setting, named like the ``COSYVOICE_*`` variables."""
+    parser = argparse.ArgumentParser(add_help=False)
+    group = parser.add_argument_group("settings (also COSYVOICE_<NAME> variables)")
+    for f in dataclasses.fields(Settings):
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind,
+                           default=None, metavar=str(f.type).upper())
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    names = {f.name for f in dataclasses.fields(Settings)}
+    return Settings.from_env(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _settings_parser()
+    parser = argparse.ArgumentParser(prog="cosyvoice", description="Real-time speech to text.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", parents=[common],
+                   help="run everything on this machine: Redis (embedded unless "
+                        "--redis-url), the gateway and the ASR workers")
+    sub.add_parser("gateway", parents=[common], help="run the Socket.IO gateway")
+    worker = sub.add_parser("worker", parents=[common], help="run ASR worker processes")
+    worker.add_argument("--processes", type=int, default=None,
+                        help="worker processes (default: --workers, 0 = one per core)")
+    tr = sub.add_parser("transcribe", help="stream a WAV file and print its transcript")
+    tr.add_argument("file")
+    tr.add_argument("--url", default="http://127.0.0.1:5000")
+    tr.add_argument("--pace", choices=("realtime", "fast"), default="realtime")
+    tr.add_argument("--json", action="store_true", help="one JSON object per event")
+    tr.add_argument("--timeout", type=float, default=60.0,
+                    help="seconds to wait for the final result after the last chunk")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "gateway":
+        return cmd_gateway(_settings(args))
+    if args.command == "worker":
+        return cmd_worker(_settings(args), args.processes)
+    if args.command == "serve":
+        return cmd_serve(_settings(args))
+    return cmd_transcribe(args)
+
+
+def _process_count(settings: Settings, processes: int | None) -> int:
+    n = processes if processes is not None else settings.workers
+    return n if n > 0 else (os.cpu_count() or 1)
+
+
+def cmd_gateway(settings: Settings) -> int:
+    from gevent import monkey
+    monkey.patch_all()
+    from gevent import pywsgi
+    from geventwebsocket.handler import WebSocketHandler
+
+    from . import logs
+    from .webui import create_app
+
+    logs.setup(settings.log_level)
+    if not settings.redis_url:
+        print("cosyvoice gateway: set COSYVOICE_REDIS_URL or --redis-url", file=sys.stderr)
+        return 2
+    app = create_app(settings)
+    server = pywsgi.WSGIServer((settings.host, settings.port), app,
+                               handler_class=WebSocketHandler, log=None)
+
+    def on_term(signum, frame):
+        import gevent
+        gevent.spawn(server.stop, timeout=5)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    print(f"gateway listening on http://{settings.host}:{settings.port}", file=sys.stderr,
+          flush=True)
+    server.serve_forever()
+    return 0
+
+
+def cmd_worker(settings: Settings, processes: int | None) -> int:
+    from . import logs
+    from .worker import run_pool
+
+    logs.setup(settings.log_level)
+    if not settings.redis_url:
+        print("cosyvoice worker: set COSYVOICE_REDIS_URL or --redis-url", file=sys.stderr)
+        return 2
+    return run_pool(settings, _process_count(settings, processes))
+
+
+def cmd_serve(settings: Settings) -> int:
+    """Everything on one machine; Ctrl-C stops it all and leaves no process behind."""
+    from .embedded_redis import EmbeddedRedis
+
+    embedded = None
+    if not settings.redis_url:
+        embedded = EmbeddedRedis().start()
+        settings = settings.replace(redis_url=embedded.url)
+        print(f"embedded redis on {embedded.url}", file=sys.stderr, flush=True)
+    env = {**os.environ, **settings.as_env()}
+    nproc = _process_count(settings, None)
+    children = [
+        subprocess.Popen([sys.executable, "-m", "cosyvoice", "gateway"], env=env),
+        subprocess.Popen([sys.executable, "-m", "cosyvoice", "worker",
+                          "--processes", str(nproc)], env=env),
+    ]
+    print(f"cosyvoice serving on http://{settings.host}:{settings.port}/ "
+          f"({nproc} ASR worker processes, engine {settings.engine})", file=sys.stderr, flush=True)
+    stopping = {"n": 0}
+
+    def on_signal(signum, frame):
+        stopping["n"] += 1
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        while not stopping["n"]:
+            if any(c.poll() is not None for c in children):
+                print("a cosyvoice process exited; stopping", file=sys.stderr)
+                code = 1
+                break
+            time.sleep(0.2)
+    finally:
+        _stop_children(children, stopping)
+        if embedded:
+            embedded.stop()
+    return code
+
+
+def _stop_children(children: list[subprocess.Popen], stopping: dict) -> None:
+    for c in children:
+        if c.poll() is None:
+            c.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for c in children:
+        while c.poll() is None and time.monotonic() < deadline and stopping["n"] < 2:
+            time.sleep(0.1)
+        if c.poll() is None:
+            c.kill()
+            c.wait()
+
+
+def cmd_transcribe(args: argparse.Namespace) -> int:
+    from .audio import read_wav
+    from .client import TranscribeError, transcribe_pcm
+
+    pcm, rate = read_wav(args.file)
+    partial_shown = {"len": 0}
+
+    def show(event: str, data: dict) -> None:
+        if args.json:
+            if event != "ack":
+                print(json.dumps({"event": event, **data}), flush=True)
+            return
+        if event == "text" and data["type"] == "partial":
+            line = f"  … {data['text']}"
+            pad = max(0, partial_shown["len"] - len(line))
+            sys.stderr.write("\r" + line + " " * pad)
+            sys.stderr.flush()
+            partial_shown["len"] = len(line)
+        elif event == "text":
+            if partial_shown["len"]:
+                sys.stderr.write("\r" + " " * partial_shown["len"] + "\r")
+                partial_shown["len"] = 0
+            words = " ".join(f"{w['word']}[{w['start']:.2f}-{w['end']:.2f} {w['conf']:.2f}]"
+                             for w in data.get("words", []))
+            print(f"[{data['start']:7.2f} - {data['end']:7.2f}] {data['text']}", flush=True)
+            if words:
+                print(f"    {words}", flush=True)
+        elif event == "error":
+            print(f"error {data.get('code')}: {data.get('msg')}", file=sys.stderr, flush=True)
+
+    try:
+        result = transcribe_pcm(args.url, pcm, rate, pace=args.pace, on_event=show,
+                                timeout=args.timeout)
+    except TranscribeError as exc:
+        print(f"error {exc.code}: {exc.msg}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # connection refused, TLS, timeouts
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 1 if result.errors or not result.ended else 0

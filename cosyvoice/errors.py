@@ -1,0 +1,81 @@
+"""The closed set of wire error codes, one exception class each."""
+
+from __future__ import annotations
+
+
+class CosyvoiceError(Exception):
+    """Base of every error a client can be told about; ``code`` goes on the wire."""
+
+    code = "internal"
+    #: Whether the connection is closed after this error is sent.
+    fatal = False
+
+    def __init__(self, msg: str, seq: int | None = None):
+        super().__init__(msg)
+        self.msg = msg
+        self.seq = seq
+
+    def to_wire(self) -> dict:
+        data = {"code": self.code, "msg": self.msg}
+        if self.seq is not None:
+            data["seq"] = self.seq
+        return data
+
+
+class BadChunk(CosyvoiceError):
+    code = "bad_chunk"
+
+
+class TooLarge(CosyvoiceError):
+    code = "too_large"
+
+
+class SeqGap(CosyvoiceError):
+    code = "seq_gap"
+
+    def __init__(self, expected: int, got: int):
+        super().__init__(f"expected seq {expected}, got {got}", seq=got)
+        self.expected = expected
+
+    def to_wire(self) -> dict:
+        data = super().to_wire()
+        data["expected"] = self.expected
+        return data
+
+
+class UnsupportedRate(CosyvoiceError):
+    code = "unsupported_rate"
+
+
+class RateLimited(CosyvoiceError):
+    code = "rate_limited"
+
+
+class Overloaded(CosyvoiceError):
+    code = "overloaded"
+    fatal = True
+
+
+class Unauthorized(CosyvoiceError):
+    code = "unauthorized"
+    fatal = True
+
+
+class SessionExpired(CosyvoiceError):
+    code = "session_expired"
+    fatal = True
+
+
+class Unavailable(CosyvoiceError):
+    code = "unavailable"
+
+
+class Internal(CosyvoiceError):
+    code = "internal"
+
+
+ERROR_CODES = tuple(
+    cls.code
+    for cls in (BadChunk, TooLarge, SeqGap, UnsupportedRate, RateLimited, Overloaded,
+                Unauthorized, SessionExpired, Unavailable, Internal)
+)

@@ -1,0 +1,106 @@
+"""Every tunable of cosyvoice in one place, read once from ``COSYVOICE_*`` variables.
+
+Each field's comment says why its default is what it is. CLI flags use the same names
+(``--redis-url`` overrides ``COSYVOICE_REDIS_URL``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+ENV_PREFIX = "COSYVOICE_"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Redis URL; empty means `cosyvoice serve` starts an embedded redis-server.
+    redis_url: str = ""
+    # Gateway bind address and port.
+    host: str = "127.0.0.1"
+    port: int = 5000
+    # ASR worker processes `serve` starts; 0 means one per core (decoding is CPU-bound).
+    workers: int = 0
+    # Sessions one worker process decodes at once; PocketSphinx costs ~0.2 CPU-s per
+    # audio second, so 4 real-time sessions keep a process under one core.
+    worker_capacity: int = 4
+    # Recogniser engine: "pocketsphinx", or "null" (transport benchmarks only).
+    engine: str = "pocketsphinx"
+    # Seconds a disconnected session's keys live, so a client can resume.
+    session_grace_s: float = 30.0
+    # Lease on a session: a dead worker's sessions are taken over after this.
+    lease_ttl_ms: int = 5000
+    # How often an owner renews its leases and heartbeat (well under the TTL).
+    lease_renew_ms: int = 1000
+    # How often a worker looks for announcements whose owner died (XAUTOCLAIM).
+    claim_interval_ms: int = 1000
+    # Approximate cap of the audio and result streams: 1000 chunks = 200 s of audio.
+    stream_maxlen: int = 1000
+    # Result streams live this long after their last write, for replay after reconnect.
+    result_ttl_s: int = 600
+    # Largest chunk accepted, in milliseconds of audio (chunks are 200 ms).
+    max_chunk_ms: int = 1000
+    # Sample rate of a session whose client names none.
+    default_sample_rate: int = 16000
+    # Connections one gateway process may open to Redis (redis-py stops at 100).
+    redis_max_connections: int = 512
+    # Longest utterance before a forced final, so long speech cannot stall a decoder.
+    max_utterance_s: float = 20.0
+    # Endpointer: window (s) and the fraction of it that flips speech/non-speech.
+    endpoint_window_s: float = 0.3
+    endpoint_ratio: float = 0.9
+    # Audio decoded from before the endpointer's detected start, so onsets survive.
+    endpoint_preroll_s: float = 0.25
+    # Origins allowed to open a Socket.IO connection; empty means the page's own origin.
+    allowed_origins: str = ""
+    # Logging level of every process.
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Settings":
+        """Settings from ``COSYVOICE_*`` variables, then non-None ``overrides`` on top."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _parse(f.name, f.type, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def as_env(self) -> dict[str, str]:
+        """These settings as environment variables, for child processes."""
+        return {ENV_PREFIX + k.upper(): _format(v) for k, v in dataclasses.asdict(self).items()}
+
+    def replace(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+
+def _parse(name: str, type_name: str, raw: str):
+    type_name = str(type_name)
+    try:
+        if type_name == "bool":
+            low = raw.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError(raw)
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}: cannot parse {raw!r} as {type_name}") from exc
+    return raw
+
+
+def _format(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

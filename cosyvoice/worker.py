@@ -1,0 +1,278 @@
+"""ASR worker: owns sessions by lease and decodes each one's audio stream in order.
+
+Ownership follows the design contract: a worker with free capacity reads a session's
+announcement from the ``sessions`` stream (consumer group ``workers``), takes
+``lease:{SID}`` with ``SET NX PX``, and from then on alone reads ``audio:{SID}`` from the
+session's checkpoint (or from the very first entry). It renews its leases and keeps its
+announcements fresh; announcements whose owner died are taken over with ``XAUTOCLAIM``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis
+
+from . import bus as busmod
+from .asr import Model, Stream, load_model
+from .protocol import parse_stored
+from .settings import Settings
+
+log = logging.getLogger("cosyvoice.worker")
+
+# Entries read per session per round: bounds the work between two lease renewals.
+READ_COUNT = 5
+# How long one XREAD waits for audio when the worker owns sessions.
+READ_BLOCK_MS = 50
+# How long XREADGROUP waits for a new session when the worker owns none.
+IDLE_BLOCK_MS = 500
+# Backoff cap while Redis is unreachable.
+MAX_BACKOFF_S = 5.0
+
+
+@dataclass
+class OwnedSession:
+    sid: str
+    announcement: str
+    stream: Stream
+    position: str  # id of the last audio entry consumed
+    next_seq: int
+    rate: int
+
+
+class Worker:
+    """The decode loop of one worker process."""
+
+    def __init__(self, settings: Settings, model: Model, client: redis.Redis,
+                 worker_id: str | None = None):
+        self.settings = settings
+        self.model = model
+        self.bus = busmod.Bus(client, settings.stream_maxlen)
+        self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.sessions: dict[str, OwnedSession] = {}
+        self.accepting = True
+        self._next_renew = 0.0
+        self._next_autoclaim = 0.0
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """First SIGTERM: stop claiming, finish the chunks in hand, hand sessions over."""
+        self.accepting = False
+
+    def run(self) -> None:
+        backoff = 0.1
+        group_ready = False
+        while self.accepting:
+            try:
+                if not group_ready:
+                    self.bus.ensure_group()
+                    group_ready = True
+                self._round()
+                backoff = 0.1
+            except redis.RedisError as exc:
+                # A restarted Redis has lost the consumer group: create it again.
+                group_ready = group_ready and "NOGROUP" not in str(exc)
+                log.warning("redis error in worker loop, retrying in %.1fs: %s", backoff, exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+        self._hand_over()
+
+    def _round(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_renew:
+            self._renew()
+            self._next_renew = now + self.settings.lease_renew_ms / 1000
+        free = self.settings.worker_capacity - len(self.sessions)
+        if free > 0 and self.accepting:
+            if now >= self._next_autoclaim:
+                self._next_autoclaim = now + self.settings.claim_interval_ms / 1000
+                for ann in self.bus.claim_abandoned(self.id, self.settings.lease_ttl_ms, free):
+                    self._adopt(ann)
+                free = self.settings.worker_capacity - len(self.sessions)
+            if free > 0:
+                block = None if self.sessions else IDLE_BLOCK_MS
+                for ann in self.bus.claim_new(self.id, free, block):
+                    self._adopt(ann)
+        if self.sessions:
+            positions = {sid: s.position for sid, s in self.sessions.items()}
+            batch = self.bus.read_audio(positions, READ_COUNT, READ_BLOCK_MS)
+            for sid, entries in batch.items():
+                self._decode(sid, entries)
+
+    def _hand_over(self) -> None:
+        """Release every session so another worker continues it from its checkpoint."""
+        for sid in list(self.sessions):
+            s = self.sessions.pop(sid)
+            s.stream.close()
+            try:
+                self.bus.release_lease(sid, self.id)
+                self.bus.reannounce(sid, s.announcement)
+            except redis.RedisError as exc:
+                log.warning("could not hand over session %s: %s", sid, exc)
+        try:
+            self.bus.remove_worker(self.id)
+        except redis.RedisError:
+            pass
+        log.info("worker %s stopped", self.id)
+
+    # ---- ownership --------------------------------------------------------------------
+
+    def _renew(self) -> None:
+        sids = list(self.sessions)
+        for sid, status in self.bus.renew_leases(sids, self.id, self.settings.lease_ttl_ms).items():
+            if status == 1:
+                continue
+            s = self.sessions.pop(sid)
+            s.stream.close()
+            if status == -1:
+                log.info("session %s ended (keys gone)", sid, extra={"session": sid})
+                self.bus.ack_announcement(s.announcement)
+            else:
+                log.warning("lost the lease of session %s", sid, extra={"session": sid})
+        self.bus.touch_announcements(self.id, [s.announcement for s in self.sessions.values()])
+        self.bus.heartbeat(self.id, len(self.sessions), self.settings.worker_capacity,
+                           self.settings.lease_ttl_ms)
+
+    def _adopt(self, ann: busmod.Announcement) -> None:
+        if ann.sid in self.sessions:
+            return
+        info = self.bus.session_info(ann.sid)
+        checkpoint = json.loads(info["checkpoint"]) if "checkpoint" in info else None
+        if not info or (checkpoint and checkpoint.get("done")):
+            self.bus.ack_announcement(ann.msg_id)
+            return
+        if not self.bus.take_lease(ann.sid, self.id, self.settings.lease_ttl_ms):
+            return  # still owned by a live worker, or its lease has not lapsed yet
+        if checkpoint:
+            stream = self.model.stream(checkpoint["rate"], checkpoint)
+            position, next_seq, rate = checkpoint["id"], checkpoint["seq"] + 1, checkpoint["rate"]
+        else:
+            rate = int(info["start_rate"])
+            stream = self.model.stream(rate)
+            position, next_seq = "0-0", 0
+        self.sessions[ann.sid] = OwnedSession(ann.sid, ann.msg_id, stream, position,
+                                              next_seq, rate)
+        log.info("took session %s at seq %d", ann.sid, next_seq,
+                 extra={"session": ann.sid, "event": "claim"})
+
+    # ---- decoding ---------------------------------------------------------------------
+
+    def _decode(self, sid: str, entries: list[tuple[str, bytes]]) -> None:
+        s = self.sessions.get(sid)
+        if s is None:
+            return
+        for entry_id, pb in entries:
+            msg = parse_stored(pb)
+            if msg.seq != s.next_seq:
+                # The gateway appends in seq order; anything else is a stale duplicate.
+                log.warning("session %s: skipping seq %d, expected %d", sid, msg.seq, s.next_seq)
+                s.position = entry_id
+                continue
+            if msg.sample_rate:
+                s.rate = msg.sample_rate
+            results = s.stream.feed(msg.pcm, s.rate)
+            checkpoint = None
+            if msg.last:
+                results += s.stream.flush()
+                results.append({"type": "end", "session": sid})
+                checkpoint = {"done": True}
+            elif any(r["type"] == "final" for r in results):
+                checkpoint = {**s.stream.checkpoint, "id": entry_id, "seq": msg.seq}
+            for r in results:
+                r.setdefault("seq", msg.seq)
+            alive = self.bus.publish_results(sid, results, self.settings.result_ttl_s,
+                                             checkpoint)
+            s.position, s.next_seq = entry_id, msg.seq + 1
+            if not alive or msg.last:
+                self._finish(s)
+                return
+
+    def _finish(self, s: OwnedSession) -> None:
+        self.sessions.pop(s.sid, None)
+        s.stream.close()
+        self.bus.release_lease(s.sid, self.id)
+        self.bus.ack_announcement(s.announcement)
+        log.info("session %s finished", s.sid, extra={"session": s.sid, "event": "finish"})
+
+
+# ---- process management ------------------------------------------------------------------
+
+
+def _run_child(settings: Settings, model: Model) -> int:
+    client = busmod.connect(settings.redis_url, max_connections=8, blocking=False)
+    worker = Worker(settings, model, client)
+    stops = {"n": 0}
+
+    def on_term(signum, frame):
+        stops["n"] += 1
+        if stops["n"] > 1:
+            os._exit(1)
+        worker.request_stop()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    log.info("worker %s ready (engine %s, capacity %d)", worker.id, model.name,
+             settings.worker_capacity)
+    worker.run()
+    return 0
+
+
+def run_pool(settings: Settings, processes: int) -> int:
+    """Load the model once, fork ``processes`` workers, restart any that die.
+
+    Decoders are created here, before fork, so their model pages are shared between the
+    worker processes. The first SIGTERM drains every worker; a second one kills them.
+    """
+    model = load_model(settings.engine, settings)
+    model.preload(settings.worker_capacity)
+    children: dict[int, int] = {}
+    state = {"stopping": 0}
+
+    def spawn(slot: int) -> None:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _run_child(settings, model)
+            except BaseException:  # noqa: BLE001 - a child must never return into the parent
+                log.exception("worker process crashed")
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        children[pid] = slot
+
+    def on_term(signum, frame):
+        state["stopping"] += 1
+        sig = signal.SIGTERM if state["stopping"] == 1 else signal.SIGKILL
+        for pid in list(children):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    for slot in range(processes):
+        spawn(slot)
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        slot = children.pop(pid, None)
+        if slot is not None and not state["stopping"]:
+            log.warning("worker process %d exited (status %d); starting another", pid, status)
+            time.sleep(0.5)
+            spawn(slot)
+    return 0
+
