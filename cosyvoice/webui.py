@@ -86,12 +86,12 @@ class ChunkWriter:
 class ResultRelay:
     """One Redis subscriber per gateway process, routing results to connections."""
 
-    def __init__(self, client: redis.Redis, socketio: SocketIO):
+    def __init__(self, client: redis.Redis, socketio: SocketIO, start: bool = True):
         self.socketio = socketio
         self.pubsub = client.pubsub(ignore_subscribe_messages=True)
         self.routes: dict[str, str] = {}  # session id -> socket sid
         self._lock = Semaphore()
-        self._greenlet = gevent.spawn(self._run)
+        self._greenlet = gevent.spawn(self._run) if start else None
 
     def subscribe(self, session: str, socket_sid: str) -> None:
         self.routes[session] = socket_sid
@@ -137,12 +137,13 @@ class ResultRelay:
 class Gateway:
     """Socket.IO handlers bound to one settings object and one Redis client."""
 
-    def __init__(self, settings: Settings, socketio: SocketIO, client: redis.Redis):
+    def __init__(self, settings: Settings, socketio: SocketIO, client: redis.Redis,
+                 relay_results: bool = True):
         self.settings = settings
         self.socketio = socketio
         self.bus = busmod.Bus(client, settings.stream_maxlen)
         self.writer = ChunkWriter(self.bus)
-        self.relay = ResultRelay(client, socketio)
+        self.relay = ResultRelay(client, socketio, start=relay_results)
         self.connections: dict[str, Connection] = {}
 
     def register(self) -> None:
@@ -257,8 +258,13 @@ class Gateway:
         self._emit_error(Internal("internal error"))
 
 
-def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> Flask:
-    """The gateway's Flask app; its SocketIO server is ``app.extensions['socketio']``."""
+def create_app(settings: Settings | None = None, client: redis.Redis | None = None,
+               relay_results: bool = True) -> Flask:
+    """The gateway's Flask app; its SocketIO server is ``app.extensions['socketio']``.
+
+    ``relay_results=False`` leaves the result subscriber unstarted (in-process tests,
+    where no worker runs and a blocking subscriber would stall the unpatched thread).
+    """
     settings = settings or Settings.from_env()
     app = Flask(__name__, static_folder=None)
     origins = [o.strip() for o in settings.allowed_origins.split(",") if o.strip()] or None
@@ -268,7 +274,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         ping_interval=25, ping_timeout=20)
     client = client or busmod.connect(settings.redis_url or "redis://127.0.0.1:6379/0",
                                       settings.redis_max_connections)
-    gateway = Gateway(settings, socketio, client)
+    gateway = Gateway(settings, socketio, client, relay_results)
     gateway.register()
     app.extensions["cosyvoice"] = gateway
 

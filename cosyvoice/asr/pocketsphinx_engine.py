@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 MODEL_RATE = 16000
 FRAMES_PER_S = 100
 _VARIANT = re.compile(r"\(\d+\)$")
+# Where a session that starts at 8 kHz starts its cepstral mean: the wideband prior is
+# far from band-limited speech. Made by scripts/narrowband_cmn.py.
+NARROWBAND_INITIAL_CMN = ("38.6821,29.1372,-28.0221,36.0803,-20.1765,-3.99816,14.8727,"
+                          "-20.1449,24.395,-2.97567,-0.589402,14.102,-6.66626")
 
 
 def _is_filler(word: str) -> bool:
@@ -70,8 +74,10 @@ class PocketSphinxModel:
         self._free.append(decoder)
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None) -> "PocketSphinxStream":
-        cp = checkpoint or {"cmn": self.initial_cmn, "offset": 0, "utterance": 0,
-                            "rate": sample_rate}
+        if checkpoint is None:
+            cmn = NARROWBAND_INITIAL_CMN if sample_rate <= 8000 else self.initial_cmn
+            checkpoint = {"cmn": cmn, "offset": 0, "utterance": 0, "rate": sample_rate}
+        cp = checkpoint
         return PocketSphinxStream(self, self._take(), cp)
 
 

@@ -1,0 +1,163 @@
+"""Every chunk validation rule, in-process through Flask-SocketIO's test client.
+
+Redis is real (the session's redis-server); the result relay is not started because
+no worker runs here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from cosyvoice import bus as busmod
+from cosyvoice.protocol import encode_chunk
+from cosyvoice.settings import Settings
+from cosyvoice.webui import NAMESPACE, create_app
+
+CHUNK = b"\x01\x00" * 3200  # 200 ms at 16 kHz
+
+
+@pytest.fixture(scope="module")
+def app(redis_server):
+    settings = Settings(redis_url=redis_server.url)
+    return create_app(settings, redis.Redis.from_url(redis_server.url), relay_results=False)
+
+
+@pytest.fixture
+def client(app):
+    socketio = app.extensions["socketio"]
+    c = socketio.test_client(app, namespace=NAMESPACE, auth={"sample_rate": 16000})
+    yield c
+    if c.is_connected(NAMESPACE):
+        c.disconnect(NAMESPACE)
+
+
+def session_of(client) -> dict:
+    events = [e for e in client.get_received(NAMESPACE) if e["name"] == "session"]
+    assert events, "a session event right after connect"
+    return events[0]["args"][0]
+
+
+def send(client, payload):
+    return client.emit("audio_chunk", payload, namespace=NAMESPACE, callback=True)
+
+
+def errors(client) -> list[dict]:
+    return [e["args"][0] for e in client.get_received(NAMESPACE) if e["name"] == "error"]
+
+
+def test_connect_sends_session_event(client, redis_client):
+    info = session_of(client)
+    assert info["resumed"] is False and info["next_seq"] == 0
+    assert info["sample_rate"] == 16000 and info["chunk_ms"] == 200
+    assert len(info["session"]) >= 16
+    assert redis_client.hget(busmod.session_key(info["session"]), "status") == b"active"
+
+
+def test_valid_chunks_are_acked_and_appended_in_order(client, redis_client):
+    sid = session_of(client)["session"]
+    for seq in range(5):
+        assert send(client, encode_chunk(CHUNK, seq)) == {"seq": seq}
+    entries = redis_client.xrange(busmod.audio_key(sid))
+    assert len(entries) == 5
+    from cosyvoice.protocol import parse_stored
+    assert [parse_stored(f[b"pb"]).seq for _id, f in entries] == list(range(5))
+
+
+@pytest.mark.parametrize("payload, code", [
+    (b"\xff\xff\xff", "bad_chunk"),                      # not protobuf
+    (b"", "bad_chunk"),                                  # empty payload
+    ("hello", "bad_chunk"),                              # text instead of bytes
+    ({"pcm": "x"}, "bad_chunk"),                         # JSON instead of bytes
+    (b"\x08\x08", "bad_chunk"),                          # wrong wire type for pcm
+    (encode_chunk(b"\x01\x00\x02", 0), "bad_chunk"),     # odd PCM length
+    (encode_chunk(CHUNK, 0, sample_rate=22050), "unsupported_rate"),
+    (encode_chunk(b"\x00" * 32002, 0), "too_large"),     # more than 1 s at 16 kHz
+    (b"\x0a" + b"\xff\xff\x1f" + b"\x00" * 600000, "too_large"),
+])
+def test_bad_chunks_get_their_error_code(client, redis_client, payload, code):
+    sid = session_of(client)["session"]
+    ack = send(client, payload)
+    assert ack["error"] == code
+    assert [e["code"] for e in errors(client)] == [code]
+    assert redis_client.xlen(busmod.audio_key(sid)) == 0
+    # the connection stays usable and nothing is lost
+    assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
+
+
+def test_seq_gap_names_the_expected_seq(client, redis_client):
+    sid = session_of(client)["session"]
+    assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
+    ack = send(client, encode_chunk(CHUNK, 3))
+    assert ack == {"error": "seq_gap", "seq": 3}
+    (err,) = errors(client)
+    assert err["code"] == "seq_gap" and err["expected"] == 1 and err["seq"] == 3
+    assert send(client, encode_chunk(CHUNK, 1)) == {"seq": 1}
+    assert redis_client.xlen(busmod.audio_key(sid)) == 2
+
+
+def test_duplicate_is_acked_again_and_not_re_added(client, redis_client):
+    sid = session_of(client)["session"]
+    assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
+    assert send(client, encode_chunk(CHUNK, 1)) == {"seq": 1}
+    assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0, "duplicate": True}
+    assert redis_client.xlen(busmod.audio_key(sid)) == 2
+    assert errors(client) == []
+
+
+def test_chunk_after_last_is_rejected(client, redis_client):
+    sid = session_of(client)["session"]
+    assert send(client, encode_chunk(CHUNK, 0, last=True)) == {"seq": 0}
+    ack = send(client, encode_chunk(CHUNK, 1))
+    assert ack["error"] == "bad_chunk"
+    assert redis_client.xlen(busmod.audio_key(sid)) == 1
+    # a resend of the last chunk is still a harmless duplicate
+    assert send(client, encode_chunk(CHUNK, 0, last=True))["duplicate"] is True
+
+
+def test_empty_last_chunk_is_accepted(client):
+    session_of(client)
+    assert send(client, encode_chunk(b"", 0, last=True)) == {"seq": 0}
+
+
+def test_sample_rate_switch_changes_the_size_limit(client, redis_client):
+    sid = session_of(client)["session"]
+    big = b"\x00\x00" * 48000  # 1 s at 48 kHz: too large at 16 kHz
+    assert send(client, encode_chunk(big, 0))["error"] == "too_large"
+    assert send(client, encode_chunk(big, 0, sample_rate=48000)) == {"seq": 0}
+    assert send(client, encode_chunk(big, 1)) == {"seq": 1}  # 0 = the current rate
+    assert redis_client.hget(busmod.session_key(sid), "rate") == b"48000"
+
+
+def test_stop_deletes_the_session(client, redis_client):
+    sid = session_of(client)["session"]
+    assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
+    ack = client.emit("stop", namespace=NAMESPACE, callback=True)
+    assert ack == {"stopped": True, "session": sid}
+    assert not any(redis_client.exists(k) for k in busmod.session_keys(sid))
+    assert send(client, encode_chunk(CHUNK, 1))["error"] == "session_expired"
+
+
+def test_sessions_are_announced_for_workers(client, redis_client):
+    sid = session_of(client)["session"]
+    announced = [f[b"sid"].decode() for _id, f in redis_client.xrange(busmod.SESSIONS)]
+    assert sid in announced
+
+
+def test_handlers_running_concurrently_keep_seq_order(app, redis_client):
+    """Handlers of one connection run in their own greenlets; order must survive."""
+    import gevent
+
+    socketio = app.extensions["socketio"]
+    c = socketio.test_client(app, namespace=NAMESPACE)
+    sid = session_of(c)["session"]
+    gateway = app.extensions["cosyvoice"]
+    conn = gateway.connections[next(iter(k for k, v in gateway.connections.items()
+                                         if v.session == sid))]
+    from cosyvoice.protocol import decode_chunk
+    greenlets = [gevent.spawn(gateway._store, conn, decode_chunk(encode_chunk(CHUNK, s), 16000, 1000),
+                              encode_chunk(CHUNK, s)) for s in range(40)]
+    gevent.joinall(greenlets, timeout=10)
+    assert [g.value for g in greenlets] == [{"seq": s} for s in range(40)]
+    assert redis_client.xlen(busmod.audio_key(sid)) == 40
+    c.disconnect(NAMESPACE)

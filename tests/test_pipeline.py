@@ -1,0 +1,160 @@
+"""Speech through the running service: real gateway, real workers, real Redis."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cosyvoice import bus as busmod
+from cosyvoice.client import StreamingClient, transcribe_pcm
+from cosyvoice.audio import split_chunks
+
+from .conftest import TEST_GRACE_S
+from .helpers import FIXTURES, direct_decode, fixture_texts, read_pcm, wait_for, wer
+
+TEXTS = fixture_texts()
+
+
+@pytest.fixture(scope="module")
+def transcripts(service):
+    """Every fixture streamed in real time, all sessions at once."""
+    def run(name):
+        return name, transcribe_pcm(service.url, read_pcm(name), 16000, pace="realtime")
+
+    with ThreadPoolExecutor(len(TEXTS)) as pool:
+        return dict(pool.map(run, TEXTS))
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_final_transcript_matches_direct_decode(transcripts, name):
+    result = transcripts[name]
+    assert not result.errors
+    service_wer = wer(TEXTS[name], result.text)
+    direct_wer = wer(TEXTS[name], direct_decode(read_pcm(name)))
+    assert service_wer <= direct_wer + 0.01, (result.text, TEXTS[name])
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_partials_arrive_before_final_then_end(transcripts, name):
+    events = [(e, d) for _t, e, d in transcripts[name].events if e in ("text", "end")]
+    kinds = [d["type"] if e == "text" else "end" for e, d in events]
+    assert "partial" in kinds
+    assert kinds.index("partial") < kinds.index("final")
+    assert kinds[-1] == "end" and kinds[-2] == "final"
+    final = transcripts[name].finals[-1]
+    assert final["words"], "finals carry word times"
+    for w in final["words"]:
+        assert final["start"] <= w["start"] < w["end"] <= final["end"] + 0.01
+        assert 0.0 <= w["conf"] <= 1.0
+        assert not w["word"].startswith(("<", "[")) and "(" not in w["word"]
+
+
+def test_partials_only_when_hypothesis_changes(transcripts):
+    for result in transcripts.values():
+        texts = [p["text"] for p in result.partials]
+        assert all(a != b for a, b in zip(texts, texts[1:]))
+
+
+def test_two_utterances_give_two_finals_in_order(service):
+    pcm = (FIXTURES / "two_utterances.wav").read_bytes()[44:]
+    result = transcribe_pcm(service.url, pcm, 16000, pace="fast")
+    assert [f["utterance"] for f in result.finals] == [0, 1]
+    reference = (FIXTURES / "two_utterances.txt").read_text().split("\t")[1]
+    assert wer(reference, result.text) <= wer(reference, direct_decode(pcm)) + 0.01
+    first, second = result.finals
+    assert first["end"] <= second["start"]
+
+
+def test_two_sessions_at_once_do_not_mix(service):
+    names = ["weather", "coffee"]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(
+            lambda n: transcribe_pcm(service.url, read_pcm(n), 16000, pace="realtime"), names))
+    assert results[0].session != results[1].session
+    for name, result in zip(names, results):
+        assert wer(TEXTS[name], result.text) <= wer(TEXTS[name], direct_decode(read_pcm(name))) + 0.01
+        other = TEXTS[names[1 - names.index(name)]]
+        assert not set(result.text.split()) & (set(other.split()) - set(TEXTS[name].split()))
+
+
+def _session_keys(redis_client, sid):
+    return [k for k in busmod.session_keys(sid) if redis_client.exists(k)]
+
+
+def test_stop_deletes_every_key_at_once(service, redis_client):
+    client = StreamingClient(service.url)
+    try:
+        client.connect()
+        client.stream_pcm(read_pcm("coffee"), 16000, pace="fast")
+        assert client.wait_end(30)
+        sid = client.result.session
+        assert _session_keys(redis_client, sid), "the session had keys while it ran"
+        assert client.stop() == {"stopped": True, "session": sid}
+        assert _session_keys(redis_client, sid) == []
+    finally:
+        client.close()
+
+
+def test_disconnect_leaves_keys_for_the_grace_period_then_they_expire(service, redis_client):
+    client = StreamingClient(service.url)
+    client.connect()
+    sid = client.result.session
+    chunks = split_chunks(read_pcm("door"), 16000)
+    for seq, chunk in enumerate(chunks[:5]):
+        assert client.send(chunk, seq, wait_ack=True) == {"seq": seq}
+    wait_for(lambda: redis_client.exists(busmod.text_key(sid)))
+    client.close()
+    time.sleep(0.3)
+    assert redis_client.exists(busmod.session_key(sid))
+    ttl = redis_client.pttl(busmod.audio_key(sid))
+    assert 0 < ttl <= TEST_GRACE_S * 1000
+    wait_for(lambda: _session_keys(redis_client, sid) == [], timeout=TEST_GRACE_S + 8)
+
+
+def test_acks_come_after_the_chunk_is_in_redis(service, redis_client):
+    client = StreamingClient(service.url)
+    try:
+        client.connect()
+        sid = client.result.session
+        pcm = read_pcm("weather")[:6400]
+        assert client.send(pcm, 0, wait_ack=True) == {"seq": 0}
+        entries = redis_client.xrange(busmod.audio_key(sid))
+        assert len(entries) == 1
+        assert client.send(pcm, 0, wait_ack=True) == {"seq": 0, "duplicate": True}
+        assert redis_client.xlen(busmod.audio_key(sid)) == 1
+    finally:
+        client.stop()
+        client.close()
+
+
+def test_cli_transcribe_prints_partials_and_finals(service):
+    wav = FIXTURES / "two_utterances.wav"
+    proc = subprocess.run([sys.executable, "-m", "cosyvoice", "transcribe", str(wav),
+                           "--url", service.url, "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    kinds = [e.get("type", e["event"]) for e in events]
+    assert kinds[0] == "session" and kinds[-1] == "end"
+    finals = [e for e in events if e.get("type") == "final"]
+    assert len(finals) == 2 and all(f["words"] for f in finals)
+    assert kinds.index("partial") < kinds.index("final")
+
+    plain = subprocess.run([sys.executable, "-m", "cosyvoice", "transcribe",
+                            str(FIXTURES / "weather.wav"), "--url", service.url],
+                           capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0, plain.stderr
+    assert "weather is nice today" in plain.stdout
+
+
+def test_cli_transcribe_fails_when_the_server_is_unreachable():
+    proc = subprocess.run([sys.executable, "-m", "cosyvoice", "transcribe",
+                           str(FIXTURES / "weather.wav"), "--url", "http://127.0.0.1:9"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "error" in proc.stderr

@@ -1,0 +1,196 @@
+"""Pure parts, no server: settings, codec, resampler, engines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import soxr
+
+from cosyvoice.asr import load_model
+from cosyvoice.asr.pocketsphinx_engine import clean_word
+from cosyvoice.asr.resample import StreamingResampler
+from cosyvoice.errors import ERROR_CODES, BadChunk, TooLarge, UnsupportedRate
+from cosyvoice.protocol import Chunk, decode_chunk, encode_chunk
+from cosyvoice.settings import Settings
+
+from .helpers import FIXTURES, direct_decode, fixture_texts, read_pcm, wer
+
+
+# ---- settings -----------------------------------------------------------------------
+
+def test_settings_read_env_with_types():
+    s = Settings.from_env({"COSYVOICE_PORT": "6001", "COSYVOICE_SESSION_GRACE_S": "2.5",
+                           "COSYVOICE_REDIS_URL": "redis://x:1/0"})
+    assert (s.port, s.session_grace_s, s.redis_url) == (6001, 2.5, "redis://x:1/0")
+
+
+def test_settings_overrides_win_and_none_is_ignored():
+    s = Settings.from_env({"COSYVOICE_PORT": "6001"}, port=7000, engine=None)
+    assert s.port == 7000 and s.engine == "pocketsphinx"
+
+
+def test_settings_reject_garbage_and_round_trip_through_env():
+    with pytest.raises(ValueError, match="COSYVOICE_PORT"):
+        Settings.from_env({"COSYVOICE_PORT": "five"})
+    s = Settings(port=5123, endpoint_ratio=0.8)
+    assert Settings.from_env(s.as_env()) == s
+
+
+def test_settings_are_frozen():
+    with pytest.raises(Exception):
+        Settings().port = 1  # type: ignore[misc]
+
+
+# ---- codec --------------------------------------------------------------------------
+
+def test_chunk_round_trip():
+    pb = encode_chunk(b"\x01\x02" * 10, 7, last=True, sample_rate=48000, sent_ms=123)
+    chunk = decode_chunk(pb, 16000, 1000)
+    assert chunk == Chunk(b"\x01\x02" * 10, 7, True, 48000, 123, rate_changed=True)
+
+
+def test_rate_zero_means_current_rate():
+    assert decode_chunk(encode_chunk(b"\x00\x00", 1), 8000, 1000).sample_rate == 8000
+
+
+@pytest.mark.parametrize("payload, error", [
+    (b"\x12\x05ab", BadChunk),                 # truncated field: betterproto makes a list
+    (b"\x08\x08", BadChunk),                   # int where bytes belong
+    (12, BadChunk),
+    (None, BadChunk),
+    (encode_chunk(b"\x00" * 4, 0, sample_rate=44100), UnsupportedRate),
+    (encode_chunk(b"\x00" * 96002, 0, sample_rate=48000), TooLarge),
+])
+def test_decode_rejects(payload, error):
+    with pytest.raises(error):
+        decode_chunk(payload, 16000, 1000)
+
+
+def test_error_codes_are_the_documented_set():
+    assert set(ERROR_CODES) == {"bad_chunk", "too_large", "seq_gap", "unsupported_rate",
+                                "rate_limited", "overloaded", "unauthorized",
+                                "session_expired", "unavailable", "internal"}
+
+
+# ---- resampling ---------------------------------------------------------------------
+
+def test_streaming_resampler_chunked_equals_one_shot():
+    rng = np.random.default_rng(1)
+    pcm = (rng.standard_normal(48000) * 3000).astype("<i2").tobytes()
+    rs = StreamingResampler(48000, 16000)
+    chunked = b"".join(rs.feed(pcm[i:i + 19200]) for i in range(0, len(pcm), 19200)) + rs.flush()
+    whole = StreamingResampler(48000, 16000)
+    assert chunked == whole.feed(pcm) + whole.flush()
+    assert abs(len(chunked) // 2 - 16000) <= 1
+
+
+# ---- engines ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("pocketsphinx", Settings())
+
+
+def run_stream(model, pcm, rate=16000, chunk_ms=200, checkpoint=None, start=0):
+    stream = model.stream(rate, checkpoint)
+    size = rate * chunk_ms // 1000 * 2
+    results, checkpoints = [], {}
+    for i in range(start, len(pcm), size):
+        out = stream.feed(pcm[i:i + size])
+        results += out
+        if any(r["type"] == "final" for r in out):
+            checkpoints[i + size] = stream.checkpoint
+    results += stream.flush()
+    stream.close()
+    return results, checkpoints
+
+
+def finals(results):
+    return [r for r in results if r["type"] == "final"]
+
+
+def test_clean_word_drops_fillers_and_variants():
+    assert [clean_word(w) for w in ["<s>", "</s>", "<sil>", "[NOISE]", "++UM++", "read(2)",
+                                    "o'clock"]] == [None, None, None, None, None, "read", "o'clock"]
+
+
+@pytest.mark.parametrize("name", sorted(fixture_texts()))
+def test_stream_matches_direct_decode(model, name):
+    pcm = read_pcm(name)
+    text = " ".join(f["text"] for f in finals(run_stream(model, pcm)[0]))
+    ref = fixture_texts()[name]
+    assert wer(ref, text) <= wer(ref, direct_decode(pcm)) + 0.01
+
+
+def test_transcript_does_not_depend_on_decoder_history(model):
+    """Decoders are pooled: what one decoded before must not change the next session."""
+    pcm = read_pcm("door")
+    model.preload(1)
+    first, _ = run_stream(model, pcm)
+    run_stream(model, read_pcm("shells") + read_pcm("meeting"))
+    again, _ = run_stream(model, pcm)
+    assert first == again
+
+
+def test_rebuilt_stream_continues_exactly_from_a_checkpoint(model):
+    pcm = (FIXTURES / "two_utterances.wav").read_bytes()[44:]
+    results, checkpoints = run_stream(model, pcm)
+    assert len(finals(results)) == 2 and checkpoints
+    for position, cp in checkpoints.items():
+        resumed, _ = run_stream(model, pcm, checkpoint=cp, start=position)
+        assert finals(resumed) == finals(results)[cp["utterance"]:]
+
+
+def _resampled(pcm16: bytes, rate: int) -> bytes:
+    x = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768
+    return (np.clip(soxr.resample(x, 16000, rate), -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def test_48k_sessions_are_resampled_and_recognised(model):
+    for name in ("coffee", "door"):
+        text = " ".join(f["text"] for f in finals(run_stream(model, _resampled(read_pcm(name), 48000), rate=48000)[0]))
+        ref = fixture_texts()[name]
+        assert wer(ref, text) <= wer(ref, direct_decode(read_pcm(name))) + 0.01
+
+
+def test_8k_sessions_decode_like_the_recogniser_on_band_limited_audio(model):
+    """No 8 kHz model ships: audio is upsampled, and the CMN starts from a narrowband
+    prior. Compared with a batch decode of the same band-limited audio (held-out
+    fixture: the prior was estimated on others)."""
+    pcm8 = _resampled(read_pcm("coffee"), 8000)
+    x = np.frombuffer(pcm8, dtype="<i2").astype(np.float32) / 32768
+    band_limited = (np.clip(soxr.resample(x, 8000, 16000), -1, 1) * 32767).astype("<i2").tobytes()
+    text = " ".join(f["text"] for f in finals(run_stream(model, pcm8, rate=8000)[0]))
+    ref = fixture_texts()["coffee"]
+    assert wer(ref, text) <= wer(ref, direct_decode(band_limited)) + 0.01
+
+
+def test_rate_switch_mid_stream_keeps_the_utterance(model):
+    pcm16 = read_pcm("meeting")
+    x = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768
+    half = len(x) // 2 // 3200 * 3200
+    pcm8 = (np.clip(soxr.resample(x[half:], 16000, 8000), -1, 1) * 32767).astype("<i2").tobytes()
+    stream = model.stream(16000)
+    results = []
+    for i in range(0, half * 2, 6400):
+        results += stream.feed(pcm16[i:i + 6400])
+    for i in range(0, len(pcm8), 3200):
+        results += stream.feed(pcm8[i:i + 3200], 8000)
+    results += stream.flush()
+    stream.close()
+    assert len(finals(results)) == 1
+    assert wer(fixture_texts()["meeting"], finals(results)[0]["text"]) <= 0.35
+
+
+def test_long_speech_is_cut_at_the_utterance_cap():
+    model = load_model("pocketsphinx", Settings(max_utterance_s=1.0))
+    results, _ = run_stream(model, read_pcm("shells"))
+    assert len(finals(results)) >= 2
+    assert all(f["end"] - f["start"] <= 1.0 + 0.2 + 0.3 for f in finals(results))
+
+
+def test_null_engine_answers_every_chunk_without_recognising():
+    model = load_model("null", Settings())
+    results, _ = run_stream(model, b"\x00\x00" * 16000)
+    assert [r["type"] for r in results] == ["partial"] * 5 + ["final"]
+    assert all(r["text"] == "" for r in results)
