@@ -1,0 +1,170 @@
+"""Session ownership with real worker processes: leases, capacity, hand-over, take-over.
+
+Each test writes a session's audio straight into Redis with the gateway's own Bus calls,
+so the timing of what the worker sees is under the test's control.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import redis
+
+from cosyvoice import bus as busmod
+from cosyvoice.audio import split_chunks
+from cosyvoice.embedded_redis import EmbeddedRedis
+from cosyvoice.protocol import encode_chunk
+
+from .helpers import fixture_texts, read_pcm, spawn, terminate, wait_for, wer, direct_decode
+
+LEASE_MS = 1000
+
+
+@pytest.fixture
+def rds():
+    server = EmbeddedRedis().start()
+    client = redis.Redis.from_url(server.url)
+    yield server, client
+    server.stop()
+
+
+def start_worker(server, artifacts, name, capacity=4, processes=1):
+    env = {"COSYVOICE_REDIS_URL": server.url, "COSYVOICE_WORKER_CAPACITY": str(capacity),
+           "COSYVOICE_LEASE_TTL_MS": str(LEASE_MS), "COSYVOICE_LEASE_RENEW_MS": "200",
+           "COSYVOICE_CLAIM_INTERVAL_MS": "200"}
+    proc = spawn(["worker", "--processes", str(processes)], env, artifacts / f"{name}.log")
+    client = redis.Redis.from_url(server.url)
+    before = len(busmod.Bus(client).live_workers())
+    wait_for(lambda: len(busmod.Bus(client).live_workers()) >= before + processes, timeout=30)
+    return proc
+
+
+def write_session(bus: busmod.Bus, sid: str, pcm: bytes, upto: int | None = None,
+                  start: int = 0, last: bool = True) -> int:
+    if start == 0:
+        bus.create_session(sid, 16000)
+    chunks = split_chunks(pcm, 16000)
+    end = len(chunks) if upto is None else upto
+    items = [(sid, seq, encode_chunk(chunks[seq], seq, last=last and seq == len(chunks) - 1),
+              16000, last and seq == len(chunks) - 1) for seq in range(start, end)]
+    replies = bus.append_chunks(items)
+    assert all(r.status == busmod.AppendStatus.APPENDED for r in replies)
+    return len(chunks)
+
+
+def results(client, sid) -> list[dict]:
+    return [json.loads(f[b"r"]) for _id, f in client.xrange(busmod.text_key(sid))]
+
+
+def ended(client, sid) -> bool:
+    return any(r["type"] == "end" for r in results(client, sid))
+
+
+def final_text(client, sid) -> str:
+    return " ".join(r["text"] for r in results(client, sid) if r["type"] == "final")
+
+
+def test_audio_written_before_any_worker_runs_is_all_decoded(rds, artifacts):
+    server, client = rds
+    bus = busmod.Bus(client)
+    write_session(bus, "early", read_pcm("weather"))
+    worker = start_worker(server, artifacts, "early")
+    try:
+        wait_for(lambda: ended(client, "early"), timeout=20)
+        assert final_text(client, "early") == direct_decode(read_pcm("weather"))
+        # the announcement is acknowledged and the lease released once the session ended
+        wait_for(lambda: not client.exists(busmod.lease_key("early")))
+        assert client.xpending(busmod.SESSIONS, busmod.WORKER_GROUP)["pending"] == 0
+    finally:
+        terminate(worker)
+
+
+def test_capacity_limits_sessions_per_process(rds, artifacts):
+    server, client = rds
+    bus = busmod.Bus(client)
+    worker = start_worker(server, artifacts, "capacity", capacity=1)
+    try:
+        write_session(bus, "a", read_pcm("coffee"), last=False)
+        wait_for(lambda: client.exists(busmod.lease_key("a")))
+        write_session(bus, "b", read_pcm("door"))
+        time.sleep(1.0)
+        assert not client.exists(busmod.lease_key("b")), "no second session at capacity 1"
+        info = busmod.Bus(client).live_workers()[0]
+        assert (info["load"], info["capacity"]) == (1, 1)
+        client.delete(*busmod.session_keys("a"))  # the first session is stopped
+        wait_for(lambda: ended(client, "b"), timeout=20)
+        assert wer(fixture_texts()["door"], final_text(client, "b")) <= \
+            wer(fixture_texts()["door"], direct_decode(read_pcm("door"))) + 0.01
+    finally:
+        terminate(worker)
+
+
+def _two_utterance_audio() -> bytes:
+    return read_pcm("weather") + b"\x00\x00" * 24000 + read_pcm("call")
+
+
+def _reference_finals(client, bus, artifacts, server):
+    pcm = _two_utterance_audio()
+    write_session(bus, "ref", pcm)
+    wait_for(lambda: ended(client, "ref"), timeout=30)
+    return [r for r in results(client, "ref") if r["type"] == "final"]
+
+
+def test_sigterm_hands_sessions_over_and_the_transcript_is_unchanged(rds, artifacts):
+    server, client = rds
+    bus = busmod.Bus(client)
+    first = start_worker(server, artifacts, "handover-1")
+    second = None
+    try:
+        reference = _reference_finals(client, bus, artifacts, server)
+        pcm = _two_utterance_audio()
+        n = len(split_chunks(pcm, 16000))
+        # the first utterance and part of the second are written, then the worker stops
+        write_session(bus, "ho", pcm, upto=n - 5)
+        wait_for(lambda: any(r["type"] == "final" for r in results(client, "ho")), timeout=20)
+        time.sleep(0.5)
+        assert terminate(first) == 0
+        assert not client.exists(busmod.lease_key("ho")), "the lease was released"
+        second = start_worker(server, artifacts, "handover-2")
+        write_session(bus, "ho", pcm, start=n - 5)
+        wait_for(lambda: ended(client, "ho"), timeout=30)
+        finals = [r for r in results(client, "ho") if r["type"] == "final"]
+        assert _strip_seq(finals) == _strip_seq(reference)
+    finally:
+        terminate(first)
+        if second:
+            terminate(second)
+
+
+def _strip_seq(rs):
+    return [{k: v for k, v in r.items() if k != "seq"} for r in rs]
+
+
+@pytest.mark.parametrize("pools", [1, 2])
+def test_a_killed_worker_is_taken_over_without_duplicate_finals(rds, artifacts, pools):
+    """kill -9 the process decoding a session mid-utterance: a restarted worker (one
+    pool) or another worker (two pools) continues from the checkpoint."""
+    server, client = rds
+    bus = busmod.Bus(client)
+    workers = [start_worker(server, artifacts, f"takeover-{pools}-{i}") for i in range(pools)]
+    try:
+        reference = _reference_finals(client, bus, artifacts, server)
+        pcm = _two_utterance_audio()
+        n = len(split_chunks(pcm, 16000))
+        write_session(bus, "kt", pcm, upto=n - 5)
+        wait_for(lambda: any(r["type"] == "final" for r in results(client, "kt")), timeout=20)
+        owner = client.get(busmod.lease_key("kt")).decode()
+        os.kill(int(owner.split("-")[-2]), signal.SIGKILL)
+        write_session(bus, "kt", pcm, start=n - 5)
+        wait_for(lambda: ended(client, "kt"), timeout=30)
+        finals = [r for r in results(client, "kt") if r["type"] == "final"]
+        assert _strip_seq(finals) == _strip_seq(reference)
+        new_owner_took_it = client.xpending(busmod.SESSIONS, busmod.WORKER_GROUP)["pending"] == 0
+        assert new_owner_took_it
+    finally:
+        for w in workers:
+            terminate(w)
