@@ -194,3 +194,12 @@ def test_null_engine_answers_every_chunk_without_recognising():
     results, _ = run_stream(model, b"\x00\x00" * 16000)
     assert [r["type"] for r in results] == ["partial"] * 5 + ["final"]
     assert all(r["text"] == "" for r in results)
+
+
+def test_readme_documents_every_setting():
+    import dataclasses
+    from .helpers import ROOT
+    readme = (ROOT / "README.md").read_text()
+    missing = [f.name for f in dataclasses.fields(Settings)
+               if f"`COSYVOICE_{f.name.upper()}`" not in readme]
+    assert missing == []
