@@ -55,6 +55,7 @@ class StreamingClient:
         self.on_event = on_event
         self.headers = headers or {}
         self.result = Transcript()
+        self.sent_at: dict[int, float] = {}  # seq -> monotonic time it was sent
         self._session_ready = threading.Event()
         self._ended = threading.Event()
         self._errored = threading.Event()
@@ -109,6 +110,7 @@ class StreamingClient:
         """Send one chunk; with ``wait_ack`` block until the server acks it."""
         payload = encode_chunk(pcm, seq, last=last, sample_rate=sample_rate,
                                sent_ms=int(time.time() * 1000))
+        self.sent_at[seq] = time.monotonic()
         if wait_ack:
             return self.sio.call("audio_chunk", payload, namespace=NAMESPACE, timeout=timeout)
         self._inflight.acquire()

@@ -1,0 +1,103 @@
+"""Latency through the running service with real PocketSphinx recognition.
+
+Measures, against a fresh embedded Redis + gateway + worker pool on this machine:
+  * `last` chunk ack -> its final result, over N utterances (one session at a time);
+  * chunk sent -> the partial result that covers it (the partial whose `seq` is that
+    chunk), with 1 and with 8 concurrent real-time sessions.
+
+    python benchmarks/latency.py [--utterances 21] [--seconds 30] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.stack import Stack, fixture_names, percentile, read_fixture  # noqa: E402
+from cosyvoice.client import StreamingClient  # noqa: E402
+
+
+def last_to_final(url: str, n: int) -> list[float]:
+    names = fixture_names()
+    out = []
+    for i in range(n):
+        pcm = read_fixture(names[i % len(names)])
+        c = StreamingClient(url)
+        c.connect()
+        c.stream_pcm(pcm, 16000, pace="realtime")
+        assert c.wait_end(30), "no end"
+        last_seq = max(c.sent_at)
+        ack_t = next(t for t, e, d in c.result.events if e == "ack" and d.get("seq") == last_seq)
+        final_t = [t for t, e, d in c.result.events if e == "text" and d["type"] == "final"][-1]
+        out.append((final_t - ack_t) * 1000)
+        c.stop()
+        c.close()
+    return out
+
+
+def partial_latency(url: str, sessions: int, seconds: float) -> tuple[list[float], int]:
+    names = fixture_names()
+    silence = b"\x00\x00" * 8000
+    pcm = b"".join(read_fixture(n) + silence for n in names)
+    lat: list[float] = []
+    lock = threading.Lock()
+    errors = []
+
+    def one(k: int):
+        c = StreamingClient(url)
+        try:
+            c.connect()
+            # each session starts at a different place in the audio
+            offset = (k * 6400 * 7) % len(pcm)
+            audio = (pcm[offset:] + pcm[:offset]) * 4
+            audio = audio[: int(seconds * 32000) // 6400 * 6400]
+            c.stream_pcm(audio, 16000, pace="realtime")
+            c.wait_end(30)
+            with lock:
+                errors.extend(c.result.errors)
+                for t, e, d in c.result.events:
+                    if e == "text" and d["type"] == "partial" and d["seq"] in c.sent_at:
+                        lat.append((t - c.sent_at[d["seq"]]) * 1000)
+            c.stop()
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(sessions)]
+    for i, t in enumerate(threads):
+        t.start()
+        time.sleep(0.2 / sessions * 0.9)  # spread chunk phases across the 200 ms period
+    for t in threads:
+        t.join()
+    return lat, len(errors)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--utterances", type=int, default=21)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--concurrency", default="1,8")
+    args = ap.parse_args()
+    report = {}
+    with Stack(processes=args.workers) as stack:
+        # warm-up
+        last_to_final(stack.url, 1)
+        lf = last_to_final(stack.url, args.utterances)
+        report["last_to_final_ms"] = {"n": len(lf), "p50": percentile(lf, 50),
+                                      "p95": percentile(lf, 95), "max": max(lf)}
+        for n in (int(x) for x in args.concurrency.split(",")):
+            lat, errs = partial_latency(stack.url, n, args.seconds)
+            report[f"partial_ms_{n}_sessions"] = {
+                "n": len(lat), "p50": percentile(lat, 50), "p99": percentile(lat, 99),
+                "max": max(lat) if lat else None, "errors": errs}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
