@@ -83,8 +83,11 @@ return 1
 
 # Renews a lease its owner holds; 1 renewed, 0 not ours, -1 the session is gone.
 _RENEW = """
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+  return -1
+end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('DEL', KEYS[1]) return -1 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """

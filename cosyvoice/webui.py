@@ -127,8 +127,13 @@ class ResultRelay:
             return
         result_id, _, payload = data.partition(" ")
         result = json.loads(payload)
-        if result.get("type") == "end":
+        kind = result.get("type")
+        if kind == "end":
             self.socketio.emit("end", {"session": session}, to=socket_sid, namespace=NAMESPACE)
+            return
+        if kind == "error":
+            self.socketio.emit("error", {"code": result["code"], "msg": result["msg"]},
+                               to=socket_sid, namespace=NAMESPACE)
             return
         result["id"] = result_id
         self.socketio.emit("text", result, to=socket_sid, namespace=NAMESPACE)

@@ -105,7 +105,7 @@ class Worker:
             positions = {sid: s.position for sid, s in self.sessions.items()}
             batch = self.bus.read_audio(positions, READ_COUNT, READ_BLOCK_MS)
             for sid, entries in batch.items():
-                self._decode(sid, entries)
+                self._decode_guarded(sid, entries)
 
     def _hand_over(self) -> None:
         """Release every session so another worker continues it from its checkpoint."""
@@ -164,6 +164,21 @@ class Worker:
                  extra={"session": ann.sid, "event": "claim"})
 
     # ---- decoding ---------------------------------------------------------------------
+
+    def _decode_guarded(self, sid: str, entries: list[tuple[str, bytes]]) -> None:
+        """Decode, but let a failure end only its own session, with an error to the client."""
+        try:
+            self._decode(sid, entries)
+        except redis.RedisError:
+            raise
+        except Exception:  # noqa: BLE001 - an engine bug must not take the worker down
+            log.exception("decoding session %s failed", sid, extra={"session": sid})
+            s = self.sessions.get(sid)
+            if s is not None:
+                self.bus.publish_results(sid, [{"type": "error", "code": "internal",
+                                                "msg": "decoding failed"}],
+                                         self.settings.result_ttl_s, {"done": True})
+                self._finish(s)
 
     def _decode(self, sid: str, entries: list[tuple[str, bytes]]) -> None:
         s = self.sessions.get(sid)

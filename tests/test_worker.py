@@ -168,3 +168,58 @@ def test_a_killed_worker_is_taken_over_without_duplicate_finals(rds, artifacts, 
     finally:
         for w in workers:
             terminate(w)
+
+
+class ExplodingModel:
+    """Test double (named as such): an engine whose stream fails on a chosen session's
+    audio. A real engine cannot be made to fail on demand."""
+
+    name = "exploding"
+
+    def __init__(self, real):
+        self.real = real
+
+    def preload(self, n):
+        pass
+
+    def stream(self, sample_rate, checkpoint=None):
+        real = self.real.stream(sample_rate, checkpoint)
+        model = self
+
+        class Stream:
+            checkpoint = property(lambda self: real.checkpoint)
+
+            def feed(self, pcm, rate=None):
+                if model.explode:
+                    raise RuntimeError("engine bug")
+                return real.feed(pcm, rate)
+
+            def flush(self):
+                return real.flush()
+
+            def close(self):
+                real.close()
+
+        return Stream()
+
+
+def test_an_engine_failure_ends_only_its_session_with_an_internal_error(rds):
+    from cosyvoice.asr import load_model
+    from cosyvoice.settings import Settings
+    from cosyvoice.worker import Worker
+
+    server, client = rds
+    bus = busmod.Bus(client)
+    model = ExplodingModel(load_model("pocketsphinx", Settings()))
+    worker = Worker(Settings(redis_url=server.url), model, client)
+    worker.bus.ensure_group()
+    model.explode = True
+    write_session(bus, "bad", read_pcm("weather"))
+    wait_for(lambda: (worker._round(), "bad" not in worker.sessions and
+                      client.exists(busmod.text_key("bad")))[1], timeout=10)
+    assert [r["code"] for r in results(client, "bad") if r["type"] == "error"] == ["internal"]
+    assert not client.exists(busmod.lease_key("bad"))
+    model.explode = False
+    write_session(bus, "good", read_pcm("weather"))
+    wait_for(lambda: (worker._round(), ended(client, "good"))[1], timeout=20)
+    assert final_text(client, "good") == direct_decode(read_pcm("weather"))
