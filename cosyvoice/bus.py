@@ -40,6 +40,11 @@ def worker_key(worker_id: str) -> str:
     return f"worker:{worker_id}"
 
 
+def client_key(address: str) -> str:
+    """Sorted set of one client address's sessions (score: when the slot lapses)."""
+    return f"client:{address}"
+
+
 def session_keys(sid: str) -> list[str]:
     return [session_key(sid), audio_key(sid), text_key(sid), lease_key(sid)]
 
@@ -66,18 +71,40 @@ return {0, nxt + 1}
 """
 
 # Appends results to the replay stream and publishes each, but only while the session
-# exists (a stopped session must not be recreated). ARGV: maxlen, ttl, checkpoint or '',
-# results... The replay stream lives as long as a disconnected session, else ttl.
-# The published message is "<stream id> <json>", so clients can resume after an id.
+# exists (a stopped session must not be recreated). KEYS: session, text, audio.
+# ARGV: maxlen, ttl, checkpoint or '', done flag, results... The replay stream lives as
+# long as a disconnected session, else ttl; a finished session's keys get ttl too, so a
+# client that never disconnects leaves nothing behind. The published message is
+# "<stream id> <json>", so clients can resume after an id.
 _PUBLISH = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local ttl = redis.call('PTTL', KEYS[1])
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'r', ARGV[i])
   redis.call('PUBLISH', KEYS[2], id .. ' ' .. ARGV[i])
 end
 if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) else redis.call('EXPIRE', KEYS[2], ARGV[2]) end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'checkpoint', ARGV[3]) end
+if ARGV[4] == '1' and ttl < 0 then
+  for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[2]) end
+end
+return 1
+"""
+
+# Resume: the session's keys stop expiring and the new connection becomes its owner.
+# KEYS: session, audio, text. ARGV: connection id. Returns the session hash, or {}.
+_RESUME = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+for _, key in ipairs(KEYS) do redis.call('PERSIST', key) end
+redis.call('HSET', KEYS[1], 'conn', ARGV[1])
+return redis.call('HGETALL', KEYS[1])
+"""
+
+# Disconnect: start the grace period, unless another connection has resumed the session
+# since (possibly on another gateway). KEYS: session, audio, text. ARGV: conn, ms.
+_RELEASE_CONN = """
+if redis.call('HGET', KEYS[1], 'conn') ~= ARGV[1] then return 0 end
+for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ARGV[2]) end
 return 1
 """
 
@@ -138,16 +165,60 @@ class Bus:
         self._publish = client.register_script(_PUBLISH)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._resume = client.register_script(_RESUME)
+        self._release_conn = client.register_script(_RELEASE_CONN)
 
     # ---- gateway side -------------------------------------------------------------
 
-    def create_session(self, sid: str, sample_rate: int) -> None:
+    def create_session(self, sid: str, sample_rate: int, conn: str = "",
+                       client: str = "") -> None:
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(session_key(sid), mapping={
-            "rate": sample_rate, "start_rate": sample_rate, "next_seq": 0, "status": "active",
-            "created_ms": int(time.time() * 1000)})
+            "rate": sample_rate, "start_rate": sample_rate, "next_seq": 0,
+            "status": "active", "created_ms": int(time.time() * 1000), "conn": conn,
+            "client": client})
         pipe.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN, approximate=True)
         pipe.execute()
+
+    def open_sessions(self) -> int:
+        """Sessions announced and not yet ended (claimed or waiting for a worker)."""
+        return self.r.xlen(SESSIONS)
+
+    def resume_session(self, sid: str, conn: str) -> dict[str, str]:
+        """Make ``conn`` the session's connection and cancel its expiry; {} if gone."""
+        flat = self._resume(keys=[session_key(sid), audio_key(sid), text_key(sid)], args=[conn])
+        return {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+
+    def release_connection(self, sid: str, conn: str, grace_s: float) -> bool:
+        """Start the grace period if ``conn`` still owns the session."""
+        return bool(self._release_conn(keys=[session_key(sid), audio_key(sid), text_key(sid)],
+                                       args=[conn, int(grace_s * 1000)]))
+
+    def claim_client_slot(self, client: str, sid: str, limit: int, hold_s: float) -> bool:
+        """Count a session against its client address; False when the address is full."""
+        if limit <= 0 or not client:
+            return True
+        key = client_key(client)
+        now_ms = int(time.time() * 1000)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.zremrangebyscore(key, "-inf", now_ms)
+        pipe.zadd(key, {sid: now_ms + int(hold_s * 1000)})
+        pipe.zcard(key)
+        pipe.pexpire(key, int(hold_s * 1000))
+        count = pipe.execute()[2]
+        if count > limit:
+            self.r.zrem(key, sid)
+            return False
+        return True
+
+    def hold_client_slot(self, client: str, sid: str, seconds: float) -> None:
+        """Keep the session's slot for ``seconds`` more (a disconnect's grace period)."""
+        if client:
+            self.r.zadd(client_key(client), {sid: int((time.time() + seconds) * 1000)})
+
+    def release_client_slot(self, client: str, sid: str) -> None:
+        if client:
+            self.r.zrem(client_key(client), sid)
 
     def append_chunks(self, items: list[tuple[str, int, bytes, int, bool]]) -> list:
         """Append (sid, seq, pb, rate, last) items in order with one round trip.
@@ -169,13 +240,6 @@ class Bus:
 
     def delete_session(self, sid: str) -> None:
         self.r.delete(*session_keys(sid))
-
-    def expire_session(self, sid: str, seconds: float) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        for key in session_keys(sid):
-            if key != lease_key(sid):
-                pipe.pexpire(key, int(seconds * 1000))
-        pipe.execute()
 
     def results_after(self, sid: str, after_id: str = "-", count: int = 1000):
         """Results stored after stream id ``after_id`` (exclusive), for replay."""
@@ -265,13 +329,15 @@ class Bus:
         return out
 
     def publish_results(self, sid: str, results: list[dict], ttl_s: int,
-                        checkpoint: dict | None = None) -> bool:
+                        checkpoint: dict | None = None, done: bool = False) -> bool:
         """Store and publish results; False when the session no longer exists."""
-        if not results and checkpoint is None:
+        if not results and checkpoint is None and not done:
             return True
-        args = [self.stream_maxlen, ttl_s, json.dumps(checkpoint) if checkpoint else ""]
+        args = [self.stream_maxlen, ttl_s, json.dumps(checkpoint) if checkpoint else "",
+                1 if done else 0]
         args += [json.dumps(r, separators=(",", ":")) for r in results]
-        return bool(self._publish(keys=[session_key(sid), text_key(sid)], args=args))
+        return bool(self._publish(keys=[session_key(sid), text_key(sid), audio_key(sid)],
+                                  args=args))
 
     def heartbeat(self, worker_id: str, load: int, capacity: int, ttl_ms: int) -> None:
         now_ms = int(time.time() * 1000)
@@ -280,6 +346,44 @@ class Bus:
         pipe.pexpire(worker_key(worker_id), ttl_ms)
         pipe.zadd(WORKERS, {worker_id: now_ms + ttl_ms})
         pipe.zremrangebyscore(WORKERS, "-inf", now_ms - 60_000)
+        pipe.execute()
+
+    # ---- sweeper ------------------------------------------------------------------------
+
+    def try_lock(self, name: str, owner: str, ttl_ms: int) -> bool:
+        return bool(self.r.set(name, owner, nx=True, px=ttl_ms))
+
+    def announcements(self, after: str = "-", count: int = 500) -> list[Announcement]:
+        start = "-" if after == "-" else "(" + after
+        return [Announcement(mid.decode(), fields.get(b"sid", b"").decode())
+                for mid, fields in self.r.xrange(SESSIONS, start, "+", count=count)]
+
+    def last_activity_ms(self, sids: list[str]) -> dict[str, int | None]:
+        """Time of each session's newest audio entry (or its creation); None if gone."""
+        pipe = self.r.pipeline(transaction=False)
+        for sid in sids:
+            pipe.xrevrange(audio_key(sid), "+", "-", count=1)
+            pipe.hget(session_key(sid), "created_ms")
+        replies = pipe.execute()
+        out: dict[str, int | None] = {}
+        for i, sid in enumerate(sids):
+            entries, created = replies[2 * i], replies[2 * i + 1]
+            if entries:
+                out[sid] = int(entries[0][0].decode().split("-")[0])
+            elif created is not None:
+                out[sid] = int(created)
+            else:
+                out[sid] = None
+        return out
+
+    def sweep_session(self, sid: str, msg_id: str) -> None:
+        """Delete an abandoned session: trim its streams first, then every key."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xtrim(audio_key(sid), maxlen=0)
+        pipe.xtrim(text_key(sid), maxlen=0)
+        pipe.delete(*session_keys(sid))
+        pipe.xack(SESSIONS, WORKER_GROUP, msg_id)
+        pipe.xdel(SESSIONS, msg_id)
         pipe.execute()
 
     def remove_worker(self, worker_id: str) -> None:

@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--json", action="store_true", help="one JSON object per event")
     tr.add_argument("--timeout", type=float, default=60.0,
                     help="seconds to wait for the final result after the last chunk")
+    tr.add_argument("--token", default=os.environ.get("COSYVOICE_TOKEN"),
+                    help="client token when the service requires one (or COSYVOICE_TOKEN)")
+    tr.add_argument("--insecure", action="store_true",
+                    help="do not verify the server's TLS certificate")
+    tok = sub.add_parser("token", parents=[common],
+                         help="issue a signed client token (needs COSYVOICE_AUTH_SECRET)")
+    tok.add_argument("--subject", default="client", help="who the token is for")
     return parser
 
 
@@ -63,7 +70,19 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_worker(_settings(args), args.processes)
     if args.command == "serve":
         return cmd_serve(_settings(args))
+    if args.command == "token":
+        return cmd_token(_settings(args), args.subject)
     return cmd_transcribe(args)
+
+
+def cmd_token(settings: Settings, subject: str) -> int:
+    from .tokens import issue
+
+    if not settings.auth_secret:
+        print("cosyvoice token: set COSYVOICE_AUTH_SECRET or --auth-secret", file=sys.stderr)
+        return 2
+    print(issue(settings.auth_secret, subject))
+    return 0
 
 
 def _process_count(settings: Settings, processes: int | None) -> int:
@@ -193,14 +212,17 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                 print(f"    {words}", flush=True)
         elif event == "error":
             print(f"error {data.get('code')}: {data.get('msg')}", file=sys.stderr, flush=True)
+        elif event == "session" and data.get("resumed"):
+            print(f"reconnected; resuming at chunk {data['next_seq']}", file=sys.stderr, flush=True)
 
     try:
         result = transcribe_pcm(args.url, pcm, rate, pace=args.pace, on_event=show,
-                                timeout=args.timeout)
+                                timeout=args.timeout, token=args.token,
+                                ssl_verify=not args.insecure)
     except TranscribeError as exc:
         print(f"error {exc.code}: {exc.msg}", file=sys.stderr)
         return 1
     except Exception as exc:  # connection refused, TLS, timeouts
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    return 1 if result.errors or not result.ended else 0
+    return 1 if result.fatal_errors or not result.ended else 0

@@ -1,7 +1,15 @@
-"""A Socket.IO client that streams a WAV file and collects live results.
+"""A Socket.IO client that streams audio and collects live results.
 
-Used by ``cosyvoice transcribe`` and by the tests; it speaks exactly the protocol a
-browser does (WebSocket transport, namespace ``/ws``, protobuf chunks, acks).
+Used by ``cosyvoice transcribe``, the benchmarks and the tests; it speaks exactly the
+protocol a browser does (WebSocket transport, namespace ``/ws``, protobuf chunks, acks)
+and survives what a real network does to it:
+
+* a dropped connection is re-established (Socket.IO reconnection) with
+  ``auth.session`` and ``auth.last_result``; the server says which chunk it needs next
+  (``next_seq``) and replays the results the client missed;
+* ``unavailable`` (Redis down), ``rate_limited`` and ``seq_gap`` rewind to the chunk the
+  server needs and resend after a pause;
+* ``overloaded`` at connect is retried after the server's hint, a few times.
 """
 
 from __future__ import annotations
@@ -17,10 +25,15 @@ from .audio import split_chunks
 from .protocol import encode_chunk
 
 NAMESPACE = "/ws"
+# Chunks sent and not yet acknowledged, at most.
+MAX_IN_FLIGHT = 64
+# Error codes after which the client rewinds and resends rather than giving up.
+RETRYABLE = {"unavailable", "rate_limited", "seq_gap"}
+RETRY_PAUSE_S = 0.5
 
 
 class TranscribeError(Exception):
-    """The server sent an error event, or the stream did not end in time."""
+    """The server refused the stream, or it did not end in time."""
 
     def __init__(self, code: str, msg: str):
         super().__init__(f"{code}: {msg}")
@@ -36,74 +49,159 @@ class Transcript:
     errors: list[dict] = field(default_factory=list)
     acks: list[dict] = field(default_factory=list)
     ended: bool = False
-    # Time (monotonic) each event arrived, for latency measurements.
+    resumes: int = 0
+    # (monotonic time, event, payload) of everything received, for latency measurements.
     events: list[tuple[float, str, dict]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return " ".join(f["text"] for f in self.finals if f["text"]).strip()
 
+    @property
+    def fatal_errors(self) -> list[dict]:
+        return [e for e in self.errors if e.get("code") not in RETRYABLE]
+
 
 class StreamingClient:
-    """One connection, one session. Thread-safe callbacks fill ``self.result``."""
+    """One session over one (re)connecting Socket.IO client."""
 
     def __init__(self, url: str, sample_rate: int = 16000,
                  on_event: Callable[[str, dict], None] | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, reconnect: bool = True, token: str | None = None,
+                 ssl_verify: bool = True):
         self.url = url
         self.sample_rate = sample_rate
         self.on_event = on_event
         self.headers = headers or {}
+        self.token = token
         self.result = Transcript()
-        self.sent_at: dict[int, float] = {}  # seq -> monotonic time it was sent
-        self._session_ready = threading.Event()
-        self._ended = threading.Event()
-        self._errored = threading.Event()
-        self._done = threading.Event()  # end or error
-        self._inflight = threading.Semaphore(64)
-        self.sio = socketio.Client(reconnection=False)
+        self.sent_at: dict[int, float] = {}  # seq -> monotonic time it was last sent
+        self.session_info: dict = {}
+        self._last_result: str | None = None
+        self._final_utterances: set[int] = set()
+        self._lock = threading.Condition()
+        self._ready = threading.Event()  # connected with a session
+        self._done = threading.Event()  # end, or a fatal error
+        self._next = 0  # next seq to send
+        self._acked = -1  # highest seq acknowledged
+        self._pause_until = 0.0
+        self._sio_args = {"reconnection": reconnect, "reconnection_attempts": 5,
+                          "reconnection_delay": 1, "reconnection_delay_max": 2,
+                          "ssl_verify": ssl_verify}
+        self._new_sio()
+
+    def _new_sio(self) -> None:
+        self.sio = socketio.Client(**self._sio_args)
         self._bind()
 
+    # ---- events -------------------------------------------------------------------------
+
+    def _auth(self) -> dict:
+        auth = {"sample_rate": self.sample_rate}
+        if self.token:
+            auth["token"] = self.token
+        if self.result.session:
+            auth["session"] = self.result.session
+            if self._last_result:
+                auth["last_result"] = self._last_result
+        return auth
+
     def _bind(self) -> None:
-        ns = NAMESPACE
+        on = lambda event: self.sio.on(event, namespace=NAMESPACE)  # noqa: E731
 
-        @self.sio.on("session", namespace=ns)
+        @on("session")
         def on_session(data):
-            self.result.session = data["session"]
+            with self._lock:
+                if self.result.session and data["resumed"]:
+                    self.result.resumes += 1
+                    self._next = data["next_seq"]
+                elif self.result.session:
+                    # The old session expired: start the audio again in the new one.
+                    self._restart()
+                self.result.session = data["session"]
+                self.session_info = data
+                self._acked = data["next_seq"] - 1
+                self._lock.notify_all()
             self._record("session", data)
-            self._session_ready.set()
+            self._ready.set()
 
-        @self.sio.on("text", namespace=ns)
+        @on("text")
         def on_text(data):
-            (self.result.finals if data["type"] == "final" else self.result.partials).append(data)
+            self._last_result = data.get("id", self._last_result)
+            if data["type"] == "final":
+                if data["utterance"] in self._final_utterances:
+                    return
+                self._final_utterances.add(data["utterance"])
+                self.result.finals.append(data)
+            else:
+                self.result.partials.append(data)
             self._record("text", data)
 
-        @self.sio.on("end", namespace=ns)
+        @on("end")
         def on_end(data):
+            self._last_result = data.get("id", self._last_result)
             self.result.ended = True
             self._record("end", data)
-            self._ended.set()
             self._done.set()
 
-        @self.sio.on("error", namespace=ns)
+        @on("error")
         def on_error(data):
             self.result.errors.append(data)
             self._record("error", data)
-            self._errored.set()
-            self._done.set()
+            code = data.get("code")
+            with self._lock:
+                if code == "seq_gap" and "expected" in data:
+                    self._rewind(data["expected"], pause=False)
+                elif code in RETRYABLE and "seq" in data:
+                    self._rewind(data["seq"], pause=True)
+                elif code not in RETRYABLE and code != "session_expired":
+                    self._done.set()
+
+        @self.sio.event(namespace=NAMESPACE)
+        def disconnect(reason=None):
+            self._ready.clear()
+
+    def _rewind(self, seq: int, pause: bool) -> None:
+        self._next = min(self._next, seq)
+        if pause:
+            self._pause_until = time.monotonic() + RETRY_PAUSE_S
+        self._lock.notify_all()
+
+    def _restart(self) -> None:
+        self._next = 0
+        self._acked = -1
+        self._last_result = None
+        self._final_utterances.clear()
+        self.result.partials.clear()
+        self.result.finals.clear()
 
     def _record(self, event: str, data: dict) -> None:
         self.result.events.append((time.monotonic(), event, data))
         if self.on_event:
             self.on_event(event, data)
 
-    def connect(self, auth: dict | None = None, timeout: float = 10.0) -> dict:
-        auth = {"sample_rate": self.sample_rate, **(auth or {})}
-        self.sio.connect(self.url, namespaces=[NAMESPACE], transports=["websocket"],
-                         auth=auth, headers=self.headers, wait_timeout=timeout)
-        if not self._session_ready.wait(timeout):
-            raise TranscribeError("internal", "no session event after connect")
-        return self.result.events[-1][2]
+    # ---- connection ---------------------------------------------------------------------
+
+    def connect(self, timeout: float = 10.0, overload_retries: int = 5) -> dict:
+        """Connect and wait for the ``session`` event; retries ``overloaded`` as hinted."""
+        for _attempt in range(overload_retries + 1):
+            self._done.clear()
+            self.sio.connect(self.url, namespaces=[NAMESPACE], transports=["websocket"],
+                             auth=self._auth, headers=self.headers, wait_timeout=timeout)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and not self._ready.is_set() \
+                    and not self._done.is_set():
+                time.sleep(0.01)
+            if self._ready.is_set():
+                return self.session_info
+            refusal = self.result.errors[-1] if self.result.errors else {}
+            self.close()
+            if refusal.get("code") != "overloaded":
+                raise TranscribeError(refusal.get("code", "internal"),
+                                      refusal.get("msg", "no session event after connect"))
+            time.sleep(refusal.get("retry_after_ms", 2000) / 1000)
+            self._new_sio()
+        raise TranscribeError("overloaded", "the service stayed overloaded")
 
     def send(self, pcm: bytes, seq: int, last: bool = False, sample_rate: int = 0,
              wait_ack: bool = False, timeout: float = 10.0) -> dict | None:
@@ -113,10 +211,12 @@ class StreamingClient:
         self.sent_at[seq] = time.monotonic()
         if wait_ack:
             return self.sio.call("audio_chunk", payload, namespace=NAMESPACE, timeout=timeout)
-        self._inflight.acquire()
 
         def acked(*args):
-            self._inflight.release()
+            if args and "error" not in args[0]:
+                with self._lock:
+                    self._acked = max(self._acked, args[0]["seq"])
+                    self._lock.notify_all()
             if args:
                 self.result.acks.append(args[0])
                 self._record("ack", args[0])
@@ -124,45 +224,67 @@ class StreamingClient:
         self.sio.emit("audio_chunk", payload, namespace=NAMESPACE, callback=acked)
         return None
 
-    def stream_pcm(self, pcm: bytes, rate: int, pace: str = "realtime") -> None:
-        """Send the whole PCM as 200 ms chunks, the last one with ``last=true``."""
+    def stream_pcm(self, pcm: bytes, rate: int, pace: str = "realtime",
+                   reconnect_timeout: float = 20.0) -> None:
+        """Send all of ``pcm`` as 200 ms chunks (the last with ``last=true``), resending
+        whatever the server asks for again, until the last chunk is acknowledged."""
         chunks = split_chunks(pcm, rate)
         start = time.monotonic()
-        for seq, piece in enumerate(chunks):
-            if pace == "realtime":
-                delay = start + seq * 0.2 - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-            if self._errored.is_set():
-                return
-            self.send(piece, seq, last=seq == len(chunks) - 1,
-                      sample_rate=rate if seq == 0 else 0)
+        while not self._done.is_set():
+            if not self._ready.wait(reconnect_timeout):
+                raise TranscribeError("unavailable", "the connection was lost and not restored")
+            with self._lock:
+                if self._acked >= len(chunks) - 1:
+                    return
+                seq = self._next
+                wait = self._wait_time(seq, len(chunks), start, pace)
+                if wait > 0:
+                    self._lock.wait(min(wait, 0.2))
+                    continue
+                self._next = seq + 1
+            try:
+                self.send(chunks[seq], seq, last=seq == len(chunks) - 1,
+                          sample_rate=rate if seq == 0 or rate != self.session_info.get("sample_rate") else 0)
+            except socketio.exceptions.BadNamespaceError:
+                with self._lock:
+                    self._next = min(self._next, seq)
+                self._ready.clear()
+
+    def _wait_time(self, seq: int, total: int, start: float, pace: str) -> float:
+        now = time.monotonic()
+        if seq >= total:
+            return 0.2  # everything is sent: wait for acks (or a rewind)
+        if seq - self._acked > MAX_IN_FLIGHT:
+            return 0.05
+        waits = [self._pause_until - now]
+        if pace == "realtime":
+            waits.append(start + seq * 0.2 - now)
+        return max(waits)
 
     def wait_end(self, timeout: float = 30.0) -> bool:
-        """Wait for ``end`` (or an error); True when the stream ended."""
+        """Wait for ``end`` (or a fatal error); True when the stream ended."""
         self._done.wait(timeout)
-        return self._ended.is_set()
+        return self.result.ended
 
     def stop(self) -> dict | None:
         try:
             return self.sio.call("stop", namespace=NAMESPACE, timeout=5)
-        except socketio.exceptions.TimeoutError:
+        except (socketio.exceptions.TimeoutError, socketio.exceptions.BadNamespaceError):
             return None
 
     def close(self) -> None:
-        if self.sio.connected:
-            self.sio.disconnect()
+        self.sio.disconnect()
 
 
 def transcribe_pcm(url: str, pcm: bytes, rate: int, pace: str = "realtime",
                    on_event: Callable[[str, dict], None] | None = None,
-                   timeout: float = 60.0, stop: bool = True) -> Transcript:
+                   timeout: float = 60.0, stop: bool = True, **client_args) -> Transcript:
     """Stream ``pcm`` through the service and return every result it sent."""
-    client = StreamingClient(url, rate, on_event=on_event)
+    client = StreamingClient(url, rate, on_event=on_event, **client_args)
     try:
         client.connect()
         client.stream_pcm(pcm, rate, pace)
-        if not client.wait_end(timeout) and not client.result.errors:
+        if not client.wait_end(timeout) and not client.result.fatal_errors:
             raise TranscribeError("internal", f"no end event within {timeout:.0f}s")
         if stop:
             client.stop()

@@ -35,7 +35,9 @@ def free_port() -> int:
 class EmbeddedRedis:
     """A throwaway redis-server on a free loopback port, no persistence."""
 
-    def __init__(self, port: int | None = None, workdir: str | None = None):
+    def __init__(self, port: int | None = None, workdir: str | None = None,
+                 persist: bool = False):
+        self.persist = persist
         self.port = port or free_port()
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="cosyvoice-redis-")
         self.dir = Path(workdir or self._tmp.name)
@@ -49,7 +51,8 @@ class EmbeddedRedis:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", str(self.dir),
+             "--save", "", "--appendonly", "yes" if self.persist else "no",
+             "--appendfsync", "always", "--dir", str(self.dir),
              "--maxclients", "10000", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
@@ -67,7 +70,8 @@ class EmbeddedRedis:
         self.stop()
         raise RuntimeError("redis-server did not start")
 
-    def stop(self) -> None:
+    def stop(self, keep_data: bool = False) -> None:
+        """Stop the server; ``keep_data`` keeps its directory for a restart."""
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -76,6 +80,6 @@ class EmbeddedRedis:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
-        if self._tmp is not None:
+        if self._tmp is not None and not keep_data:
             self._tmp.cleanup()
             self._tmp = None

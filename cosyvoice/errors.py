@@ -55,6 +55,13 @@ class Overloaded(CosyvoiceError):
     code = "overloaded"
     fatal = True
 
+    def __init__(self, msg: str, retry_after_ms: int):
+        super().__init__(msg)
+        self.retry_after_ms = retry_after_ms
+
+    def to_wire(self) -> dict:
+        return {**super().to_wire(), "retry_after_ms": self.retry_after_ms}
+
 
 class Unauthorized(CosyvoiceError):
     code = "unauthorized"
@@ -63,7 +70,6 @@ class Unauthorized(CosyvoiceError):
 
 class SessionExpired(CosyvoiceError):
     code = "session_expired"
-    fatal = True
 
 
 class Unavailable(CosyvoiceError):

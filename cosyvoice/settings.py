@@ -58,6 +58,26 @@ class Settings:
     endpoint_preroll_s: float = 0.25
     # Origins allowed to open a Socket.IO connection; empty means the page's own origin.
     allowed_origins: str = ""
+    # Secret that signs client tokens; empty turns token auth off.
+    auth_secret: str = ""
+    # Lifetime of a client token issued by `cosyvoice token`.
+    token_ttl_s: int = 3600
+    # Sustained audio a connection may send per second of wall time (0 turns the limit
+    # off, e.g. for trusted file transcription); twice real time leaves room to catch up.
+    rate_limit_factor: float = 2.0
+    # Audio seconds a connection may send at once on top of the rate: resends after a
+    # reconnect within the grace period.
+    rate_limit_burst_s: float = 30.0
+    # Longest session, in seconds of audio and of wall time; a day of dictation at most.
+    max_session_s: float = 14400.0
+    # Concurrent sessions one client address may hold (0 = unlimited).
+    max_sessions_per_client: int = 20
+    # Proxies in front of the gateway whose X-Forwarded-For is trusted (nginx: 1).
+    trusted_proxies: int = 0
+    # Sessions whose audio stream saw no new entry for this long are deleted by the sweeper.
+    sweep_idle_s: float = 300.0
+    # How long a client told `overloaded` should wait before it tries again.
+    overload_retry_ms: int = 2000
     # Logging level of every process.
     log_level: str = "INFO"
 

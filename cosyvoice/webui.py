@@ -15,6 +15,7 @@ import json
 import logging
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +28,10 @@ from gevent.lock import Semaphore
 from gevent.queue import Queue
 
 from . import bus as busmod
-from .errors import (BadChunk, CosyvoiceError, Internal, SeqGap, SessionExpired,
-                     Unavailable)
+from . import tokens
+from .errors import (BadChunk, CosyvoiceError, Internal, Overloaded, RateLimited, SeqGap,
+                     SessionExpired, Unavailable)
+from .limits import ConnectRequest, TokenBucket, parse_auth, result_id_key
 from .protocol import CHUNK_MS, SUPPORTED_RATES, Chunk, decode_chunk, max_payload_bytes
 from .settings import Settings
 
@@ -40,6 +43,10 @@ STATIC_DIR = Path(__file__).parent / "static"
 WRITE_BATCH = 256
 # How long a handler waits for its chunk to be stored before answering `unavailable`.
 WRITE_TIMEOUT_S = 10.0
+# Cap of the pause between attempts to reach Redis again.
+MAX_BACKOFF_S = 2.0
+# How long the gateway trusts its reading of the workers' total capacity.
+CAPACITY_CACHE_S = 0.5
 
 
 @dataclass
@@ -48,6 +55,10 @@ class Connection:
 
     session: str
     rate: int
+    conn_id: str
+    client: str
+    bucket: TokenBucket | None
+    created: float = field(default_factory=time.time)  # wall clock, for max_session_s
     stopped: bool = False
 
 
@@ -83,60 +94,118 @@ class ChunkWriter:
                 item[5].set(reply)
 
 
-class ResultRelay:
-    """One Redis subscriber per gateway process, routing results to connections."""
+@dataclass
+class Route:
+    """Where one session's results go, and which of them the connection already has."""
 
-    def __init__(self, client: redis.Redis, socketio: SocketIO, start: bool = True):
+    socket_sid: str
+    last_id: str | None = None
+    replaying: bool = True
+    held: list = field(default_factory=list)
+
+
+class ResultRelay:
+    """One Redis subscriber per gateway process, routing results to connections.
+
+    Results carry their replay-stream id; a route drops any id it has already passed,
+    so replay (after a resume, or after the subscriber lost Redis) and live delivery
+    never show a client the same result twice.
+    """
+
+    def __init__(self, client: redis.Redis, bus: busmod.Bus, socketio: SocketIO,
+                 start: bool = True):
         self.socketio = socketio
+        self.bus = bus
         self.pubsub = client.pubsub(ignore_subscribe_messages=True)
-        self.routes: dict[str, str] = {}  # session id -> socket sid
+        self.routes: dict[str, Route] = {}  # session id -> route
         self._lock = Semaphore()
         self._greenlet = gevent.spawn(self._run) if start else None
 
-    def subscribe(self, session: str, socket_sid: str) -> None:
-        self.routes[session] = socket_sid
+    def subscribe(self, session: str, socket_sid: str, after: str | None = None) -> None:
+        """Route the session's results to ``socket_sid``; replay those after ``after``.
+
+        ``after=None`` means a new session: there is nothing to replay.
+        """
+        last = None if after in (None, "-") else after
+        route = self.routes[session] = Route(socket_sid, last, replaying=after is not None)
         with self._lock:
             self.pubsub.subscribe(busmod.text_key(session))
+        if after is not None:
+            self._replay(session, route)
 
-    def unsubscribe(self, session: str) -> None:
-        self.routes.pop(session, None)
+    def unsubscribe(self, session: str, socket_sid: str | None = None) -> None:
+        route = self.routes.get(session)
+        if route is None or (socket_sid is not None and route.socket_sid != socket_sid):
+            return
+        del self.routes[session]
         with self._lock:
             self.pubsub.unsubscribe(busmod.text_key(session))
 
+    def _replay(self, session: str, route: Route) -> None:
+        route.replaying = True
+        try:
+            for result_id, payload in self.bus.results_after(session, route.last_id or "-"):
+                self._send(session, route, result_id, payload)
+        finally:
+            route.replaying = False
+            held, route.held = route.held, []
+            for result_id, payload in held:
+                self._send(session, route, result_id, payload)
+
     def _run(self) -> None:
         backoff = 0.1
+        lost = False
         while True:
             try:
                 if not self.pubsub.subscribed:
                     gevent.sleep(0.05)
                     continue
                 msg = self.pubsub.get_message(timeout=1.0)
+                if lost:
+                    # The connection came back and redis-py re-subscribed: fetch what
+                    # was published while we were not listening.
+                    lost = False
+                    log.info("result subscriber reconnected; replaying missed results")
+                    for session, route in list(self.routes.items()):
+                        gevent.spawn(self._replay, session, route)
                 backoff = 0.1
             except redis.RedisError as exc:
+                lost = True
                 log.warning("result subscriber lost redis, retrying in %.1fs: %s", backoff, exc)
                 gevent.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             if msg and msg["type"] == "message":
-                self._deliver(msg["channel"].decode(), msg["data"].decode())
+                try:
+                    self._deliver(msg["channel"].decode(), msg["data"].decode())
+                except Exception:  # noqa: BLE001 - one bad message must not stop delivery
+                    log.exception("could not deliver a result")
 
     def _deliver(self, channel: str, data: str) -> None:
         session = busmod.sid_from_channel(channel)
-        socket_sid = self.routes.get(session)
-        if socket_sid is None:
+        route = self.routes.get(session)
+        if route is None:
             return
         result_id, _, payload = data.partition(" ")
+        if route.replaying:
+            route.held.append((result_id, payload))
+        else:
+            self._send(session, route, result_id, payload)
+
+    def _send(self, session: str, route: Route, result_id: str, payload: str) -> None:
+        if route.last_id is not None and result_id_key(result_id) <= result_id_key(route.last_id):
+            return
+        route.last_id = result_id
         result = json.loads(payload)
         kind = result.get("type")
+        to = {"to": route.socket_sid, "namespace": NAMESPACE}
         if kind == "end":
-            self.socketio.emit("end", {"session": session}, to=socket_sid, namespace=NAMESPACE)
-            return
-        if kind == "error":
-            self.socketio.emit("error", {"code": result["code"], "msg": result["msg"]},
-                               to=socket_sid, namespace=NAMESPACE)
-            return
-        result["id"] = result_id
-        self.socketio.emit("text", result, to=socket_sid, namespace=NAMESPACE)
+            self.socketio.emit("end", {"session": session, "id": result_id}, **to)
+        elif kind == "error":
+            self.socketio.emit("error", {"code": result["code"], "msg": result["msg"]}, **to)
+        else:
+            result["id"] = result_id
+            self.socketio.emit("text", result, **to)
 
 
 class Gateway:
@@ -148,8 +217,9 @@ class Gateway:
         self.socketio = socketio
         self.bus = busmod.Bus(client, settings.stream_maxlen)
         self.writer = ChunkWriter(self.bus)
-        self.relay = ResultRelay(client, socketio, start=relay_results)
+        self.relay = ResultRelay(client, self.bus, socketio, start=relay_results)
         self.connections: dict[str, Connection] = {}
+        self._capacity = (0.0, 0)  # (read at, total capacity of live workers)
 
     def register(self) -> None:
         on = self.socketio.on
@@ -157,6 +227,7 @@ class Gateway:
         on("disconnect", namespace=NAMESPACE)(self.on_disconnect)
         on("audio_chunk", namespace=NAMESPACE)(self.on_audio_chunk)
         on("stop", namespace=NAMESPACE)(self.on_stop)
+        on("*", namespace=NAMESPACE)(self.on_unknown_event)
         self.socketio.on_error(NAMESPACE)(self.on_handler_error)
 
     # ---- helpers ----------------------------------------------------------------------
@@ -167,47 +238,101 @@ class Gateway:
     def _limits(self) -> dict:
         s = self.settings
         return {"max_chunk_ms": s.max_chunk_ms, "sample_rates": list(SUPPORTED_RATES),
-                "grace_s": s.session_grace_s}
+                "grace_s": s.session_grace_s, "max_session_s": s.max_session_s,
+                "rate_limit_factor": s.rate_limit_factor}
 
-    def pick_rate(self, auth: dict) -> int:
-        rate = auth.get("sample_rate")
-        if type(rate) is int and rate in SUPPORTED_RATES:
-            return rate
-        return self.settings.default_sample_rate
+    def _bucket(self) -> TokenBucket | None:
+        s = self.settings
+        return TokenBucket(s.rate_limit_factor, s.rate_limit_burst_s) if s.rate_limit_factor > 0 else None
+
+    def worker_capacity(self) -> int:
+        """Total sessions the live workers can decode, re-read at most every 0.5 s."""
+        read_at, total = self._capacity
+        now = gevent.get_hub().loop.now()
+        if now - read_at > CAPACITY_CACHE_S:
+            total = sum(w.get("capacity", 0) for w in self.bus.live_workers())
+            self._capacity = (now, total)
+        return total
 
     # ---- handlers ---------------------------------------------------------------------
 
     def on_connect(self, auth=None):
-        auth = auth if isinstance(auth, dict) else {}
-        rate = self.pick_rate(auth)
-        session = secrets.token_hex(12)
         try:
-            self.relay.subscribe(session, request.sid)
-            self.bus.create_session(session, rate)
+            req = parse_auth(auth)
+            if self.settings.auth_secret:
+                tokens.verify(self.settings.auth_secret, req.token, self.settings.token_ttl_s)
+            conn = self._resume(req) if req.session else None
+            if conn is None:
+                conn = self._open(req)
+        except CosyvoiceError as err:
+            self._emit_error(err)
+            return False
         except redis.RedisError as exc:
-            log.warning("cannot create session: %s", exc)
-            self.relay.unsubscribe(session)
+            log.warning("cannot open a session: %s", exc)
             self._emit_error(Unavailable("the session store is unreachable"))
             return False
-        self.connections[request.sid] = Connection(session=session, rate=rate)
-        log.info("session %s opened", session, extra={"session": session, "event": "connect"})
-        self.socketio.emit("session", {
-            "session": session, "resumed": False, "next_seq": 0, "sample_rate": rate,
-            "chunk_ms": CHUNK_MS, "limits": self._limits()}, to=request.sid, namespace=NAMESPACE)
+        self.connections[request.sid] = conn
         return True
+
+    def _open(self, req: ConnectRequest) -> Connection:
+        if self.bus.open_sessions() >= self.worker_capacity():
+            raise Overloaded("every ASR worker is busy; try again later",
+                             retry_after_ms=self.settings.overload_retry_ms)
+        rate = req.sample_rate or self.settings.default_sample_rate
+        session = secrets.token_hex(12)
+        client = request.remote_addr or ""
+        if not self.bus.claim_client_slot(client, session, self.settings.max_sessions_per_client,
+                                          self.settings.max_session_s + self.settings.session_grace_s):
+            raise RateLimited(f"this address already holds "
+                              f"{self.settings.max_sessions_per_client} sessions")
+        conn = Connection(session=session, rate=rate, conn_id=request.sid, client=client,
+                          bucket=self._bucket())
+        self.relay.subscribe(session, request.sid)
+        try:
+            self.bus.create_session(session, rate, conn=request.sid, client=client)
+        except redis.RedisError:
+            self.relay.unsubscribe(session)
+            raise
+        log.info("session opened", extra={"session": session, "event": "connect"})
+        self._announce(conn, resumed=False, next_seq=0)
+        return conn
+
+    def _resume(self, req: ConnectRequest) -> Connection | None:
+        info = self.bus.resume_session(req.session, request.sid)
+        if not info:
+            # Past the grace period: say so, then carry on with a fresh session.
+            self._emit_error(SessionExpired("the session expired; a new one was started"))
+            return None
+        conn = Connection(session=req.session, rate=int(info.get("rate", 16000)),
+                          conn_id=request.sid, client=info.get("client", ""),
+                          bucket=self._bucket(),
+                          created=int(info.get("created_ms", 0)) / 1000 or time.time())
+        self.bus.hold_client_slot(conn.client, conn.session,
+                                  self.settings.max_session_s + self.settings.session_grace_s)
+        self.relay.subscribe(conn.session, request.sid, after=req.last_result or "-")
+        log.info("session resumed", extra={"session": conn.session, "event": "resume"})
+        self._announce(conn, resumed=True, next_seq=int(info.get("next_seq", 0)))
+        return conn
+
+    def _announce(self, conn: Connection, resumed: bool, next_seq: int) -> None:
+        self.socketio.emit("session", {
+            "session": conn.session, "resumed": resumed, "next_seq": next_seq,
+            "sample_rate": conn.rate, "chunk_ms": CHUNK_MS, "limits": self._limits()},
+            to=request.sid, namespace=NAMESPACE)
 
     def on_disconnect(self, reason=None):
         conn = self.connections.pop(request.sid, None)
         if conn is None:
             return
         try:
-            self.relay.unsubscribe(conn.session)
+            self.relay.unsubscribe(conn.session, request.sid)
             if not conn.stopped:
-                self.bus.expire_session(conn.session, self.settings.session_grace_s)
+                grace = self.settings.session_grace_s
+                if self.bus.release_connection(conn.session, conn.conn_id, grace):
+                    self.bus.hold_client_slot(conn.client, conn.session, grace)
         except redis.RedisError as exc:
             log.warning("disconnect cleanup of %s failed: %s", conn.session, exc)
-        log.info("session %s disconnected", conn.session,
-                 extra={"session": conn.session, "event": "disconnect"})
+        log.info("session disconnected", extra={"session": conn.session, "event": "disconnect"})
 
     def on_audio_chunk(self, data=None):
         conn = self.connections.get(request.sid)
@@ -215,6 +340,7 @@ class Gateway:
             if conn is None or conn.stopped:
                 raise SessionExpired("this connection has no active session")
             chunk = decode_chunk(data, conn.rate, self.settings.max_chunk_ms)
+            self._check_limits(conn, chunk)
             conn.rate = chunk.sample_rate
             return self._store(conn, chunk, data)
         except CosyvoiceError as err:
@@ -223,6 +349,14 @@ class Gateway:
             if err.seq is not None:
                 ack["seq"] = err.seq
             return ack
+
+    def _check_limits(self, conn: Connection, chunk: Chunk) -> None:
+        duration = chunk.duration_s
+        if conn.bucket is not None and not conn.bucket.take(duration):
+            raise RateLimited("sending faster than the configured rate; resend later",
+                              seq=chunk.seq)
+        if time.time() - conn.created > self.settings.max_session_s:
+            raise SessionExpired("the session reached its maximum length", seq=chunk.seq)
 
     def _store(self, conn: Connection, chunk: Chunk, pb: bytes) -> dict:
         try:
@@ -248,18 +382,23 @@ class Gateway:
             return {"stopped": False}
         conn.stopped = True
         try:
-            self.relay.unsubscribe(conn.session)
+            self.relay.unsubscribe(conn.session, request.sid)
             self.bus.delete_session(conn.session)
+            self.bus.release_client_slot(conn.client, conn.session)
         except redis.RedisError as exc:
             conn.stopped = False
             self._emit_error(Unavailable("could not delete the session"))
             log.warning("stop of %s failed: %s", conn.session, exc)
             return {"stopped": False}
-        log.info("session %s stopped", conn.session, extra={"session": conn.session, "event": "stop"})
+        log.info("session stopped", extra={"session": conn.session, "event": "stop"})
         return {"stopped": True, "session": conn.session}
 
+    def on_unknown_event(self, event, *args):
+        self._emit_error(BadChunk(f"unknown event {str(event)[:64]!r}"))
+        return {"error": "bad_chunk"}
+
     def on_handler_error(self, exc):
-        log.exception("handler failed", exc_info=exc)
+        log.error("handler failed", exc_info=exc)
         self._emit_error(Internal("internal error"))
 
 
@@ -281,6 +420,10 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
                                       settings.redis_max_connections)
     gateway = Gateway(settings, socketio, client, relay_results)
     gateway.register()
+    if settings.trusted_proxies > 0:
+        from werkzeug.middleware.proxy_fix import ProxyFix
+        n = settings.trusted_proxies
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=n, x_proto=n, x_host=n)
     app.extensions["cosyvoice"] = gateway
 
     @app.get("/healthz")

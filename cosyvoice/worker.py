@@ -34,7 +34,10 @@ READ_BLOCK_MS = 50
 # How long XREADGROUP waits for a new session when the worker owns none.
 IDLE_BLOCK_MS = 500
 # Backoff cap while Redis is unreachable.
-MAX_BACKOFF_S = 5.0
+MAX_BACKOFF_S = 2.0
+# How often some worker sweeps abandoned sessions (one at a time, by lock).
+SWEEP_INTERVAL_S = 60.0
+SWEEP_LOCK = "sweeper"
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Worker:
         self.accepting = True
         self._next_renew = 0.0
         self._next_autoclaim = 0.0
+        self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S * 0.5
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -90,6 +94,9 @@ class Worker:
         if now >= self._next_renew:
             self._renew()
             self._next_renew = now + self.settings.lease_renew_ms / 1000
+        if now >= self._next_sweep:
+            self._next_sweep = now + SWEEP_INTERVAL_S
+            self.sweep()
         free = self.settings.worker_capacity - len(self.sessions)
         if free > 0 and self.accepting:
             if now >= self._next_autoclaim:
@@ -163,6 +170,30 @@ class Worker:
         log.info("took session %s at seq %d", ann.sid, next_seq,
                  extra={"session": ann.sid, "event": "claim"})
 
+    def sweep(self, force: bool = False) -> int:
+        """Delete sessions whose audio saw no new entry for ``sweep_idle_s``.
+
+        A session normally ends by ``stop``, by its grace period after a disconnect, or
+        by expiry after ``last``; this catches the rest (a gateway that died without
+        running its disconnect handlers). One worker sweeps at a time.
+        """
+        if not force and not self.bus.try_lock(SWEEP_LOCK, self.id, int(SWEEP_INTERVAL_S * 1000)):
+            return 0
+        cutoff_ms = int((time.time() - self.settings.sweep_idle_s) * 1000)
+        swept, after = 0, "-"
+        while True:
+            batch = self.bus.announcements(after)
+            if not batch:
+                return swept
+            activity = self.bus.last_activity_ms([a.sid for a in batch])
+            for ann in batch:
+                last = activity[ann.sid]
+                if last is None or last < cutoff_ms:
+                    self.bus.sweep_session(ann.sid, ann.msg_id)
+                    swept += 1
+                    log.info("swept idle session", extra={"session": ann.sid, "event": "sweep"})
+            after = batch[-1].msg_id
+
     # ---- decoding ---------------------------------------------------------------------
 
     def _decode_guarded(self, sid: str, entries: list[tuple[str, bytes]]) -> None:
@@ -177,7 +208,7 @@ class Worker:
             if s is not None:
                 self.bus.publish_results(sid, [{"type": "error", "code": "internal",
                                                 "msg": "decoding failed"}],
-                                         self.settings.result_ttl_s, {"done": True})
+                                         self.settings.result_ttl_s, {"done": True}, done=True)
                 self._finish(s)
 
     def _decode(self, sid: str, entries: list[tuple[str, bytes]]) -> None:
@@ -204,7 +235,7 @@ class Worker:
             for r in results:
                 r.setdefault("seq", msg.seq)
             alive = self.bus.publish_results(sid, results, self.settings.result_ttl_s,
-                                             checkpoint)
+                                             checkpoint, done=msg.last)
             s.position, s.next_seq = entry_id, msg.seq + 1
             if not alive or msg.last:
                 self._finish(s)

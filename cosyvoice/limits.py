@@ -1,0 +1,98 @@
+"""Pure admission rules: the connect-time ``auth`` dict and the per-connection rate limit."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+
+from .errors import CosyvoiceError, Unauthorized, UnsupportedRate
+from .protocol import SUPPORTED_RATES
+
+# Largest auth dict accepted, serialised as JSON.
+MAX_AUTH_BYTES = 4096
+_SESSION_ID = re.compile(r"^[0-9a-f]{24}$")
+_RESULT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+_KNOWN_KEYS = {"token", "session", "last_result", "sample_rate", "network_hint"}
+
+
+@dataclass(frozen=True)
+class ConnectRequest:
+    """What a client asked for when it connected, validated."""
+
+    sample_rate: int | None = None
+    token: str | None = None
+    session: str | None = None
+    last_result: str | None = None
+    network_hint: dict | None = None
+
+
+def parse_auth(auth) -> ConnectRequest:
+    """Validate the Socket.IO ``auth`` payload; raises ``Unauthorized`` or ``UnsupportedRate``.
+
+    Unknown keys are ignored (newer clients may send more); known keys must have the
+    documented types.
+    """
+    if auth is None:
+        return ConnectRequest()
+    if not isinstance(auth, dict):
+        raise Unauthorized("auth must be an object")
+    try:
+        size = len(json.dumps(auth))
+    except (TypeError, ValueError) as exc:
+        raise Unauthorized("auth is not JSON") from exc
+    if size > MAX_AUTH_BYTES:
+        raise Unauthorized(f"auth is larger than {MAX_AUTH_BYTES} bytes")
+    rate = auth.get("sample_rate")
+    if rate is not None and (type(rate) is not int or rate not in SUPPORTED_RATES):
+        raise UnsupportedRate(f"sample_rate must be one of {SUPPORTED_RATES}")
+    token = _optional_str(auth, "token", 2048)
+    session = _optional_str(auth, "session", 64)
+    if session is not None and not _SESSION_ID.match(session):
+        raise Unauthorized("session is not a session id")
+    last_result = _optional_str(auth, "last_result", 64)
+    if last_result is not None and not _RESULT_ID.match(last_result):
+        raise Unauthorized("last_result is not a result id")
+    hint = auth.get("network_hint")
+    if hint is not None and not isinstance(hint, dict):
+        raise Unauthorized("network_hint must be an object")
+    return ConnectRequest(rate, token, session, last_result, hint)
+
+
+def _optional_str(auth: dict, key: str, max_len: int) -> str | None:
+    value = auth.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise Unauthorized(f"{key} must be a non-empty string of at most {max_len} characters")
+    return value
+
+
+class TokenBucket:
+    """Audio-seconds budget of one connection: ``rate`` seconds of audio per second of
+    wall time, up to ``burst`` seconds banked (resends after a reconnect)."""
+
+    def __init__(self, rate: float, burst: float, now: float | None = None):
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.stamp = time.monotonic() if now is None else now
+
+    def take(self, amount: float, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if amount > self.tokens:
+            return False
+        self.tokens -= amount
+        return True
+
+
+def result_id_key(result_id: str) -> tuple[int, int]:
+    """Order of Redis stream ids ("ms-seq")."""
+    ms, _, seq = result_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+__all__ = ["ConnectRequest", "parse_auth", "TokenBucket", "result_id_key", "CosyvoiceError"]

@@ -1,0 +1,218 @@
+// The browser page: Start/Stop, live transcript, connection state, latency, errors.
+
+import { Microphone } from "./microphone.mjs";
+import { RECONNECT_ATTEMPTS, SpeechStream } from "./stream.mjs";
+import { TranscriptView } from "./transcript.mjs";
+
+// Capture rate until the server's `session` event names the session's rate.
+const INITIAL_RATE = 16000;
+// How long Stop waits for the server's `end` (all final text delivered).
+const END_TIMEOUT_MS = 20000;
+
+const MESSAGES = {
+  denied: "Microphone access was denied. Allow this site to use the microphone (see the icon in the address bar), then press Start again.",
+  missing: "No microphone was found. Connect one and press Start again.",
+  busy: "The microphone could not be opened; another application may be using it.",
+  insecure: "The microphone is only available on a secure page: open this service over https (or on localhost).",
+  unloaded: "The audio capture code could not be loaded from the server. Check your connection and reload the page.",
+  failed: "Audio capture could not start in this browser.",
+  ended: "The microphone stopped delivering audio.",
+  unreachable: "Cannot reach the server. Check your network connection and try again.",
+  closed: "The server closed the connection.",
+  timeout: "The server did not deliver the final text in time; the transcript may be incomplete.",
+  overloaded: "The service is at capacity and cannot take another recording right now. Please try again in a minute.",
+  unsupported_rate: "The server does not accept audio at this sample rate.",
+  rate_limited: "Audio is arriving faster than the server allows; some of it was refused.",
+  unauthorized: "The server refused the connection: this service needs a sign-in token.",
+  session_expired: "The session has expired. Press Start to begin a new one.",
+  unavailable: "The service's storage is unreachable; some audio may be lost.",
+  bad_chunk: "The server refused a piece of audio as malformed.",
+  too_large: "The server refused a piece of audio as too large.",
+  seq_gap: "Some audio went missing on the way to the server.",
+  internal: "The server hit an internal error.",
+};
+
+function kHz(rate) {
+  return `${(rate / 1000).toLocaleString("en", { maximumFractionDigits: 1 })} kHz`;
+}
+
+class App {
+  constructor(doc) {
+    const $ = (id) => doc.getElementById(id);
+    this.button = $("record");
+    this.label = this.button.querySelector(".label");
+    this.connection = $("connection");
+    this.message = $("message");
+    this.latency = $("latency");
+    this.audio = $("audio");
+    this.sessionInfo = $("session");
+    this.level = $("level");
+    this.view = new TranscriptView($("finals"), $("partial"), $("placeholder"));
+    this.state = "idle";
+    this.mic = null;
+    this.stream = null;
+    this.rate = INITIAL_RATE;
+    this.button.addEventListener("click", () => this.toggle());
+    $("clear").addEventListener("click", () => this.view.clear());
+    $("details").addEventListener("change", (e) => $("transcript").classList.toggle("details", e.target.checked));
+    this.setState("idle");
+  }
+
+  toggle() {
+    if (this.state === "idle") this.start();
+    else if (this.state === "recording") this.stop();
+  }
+
+  setState(state) {
+    this.state = state;
+    document.body.dataset.state = state;
+    const recording = state === "recording";
+    this.button.setAttribute("aria-pressed", String(recording));
+    // aria-disabled rather than disabled: a disabled button would drop keyboard focus.
+    this.button.setAttribute("aria-disabled", String(state === "starting" || state === "finishing"));
+    this.label.textContent = { idle: "Start", starting: "Starting…", recording: "Stop", finishing: "Finishing…" }[state];
+    if (state === "idle") this.level.style.setProperty("--level", "0");
+  }
+
+  setConnection(state, text) {
+    this.connection.dataset.state = state;
+    this.connection.textContent = text;
+  }
+
+  showMessage(text, kind = "error") {
+    this.message.textContent = text;
+    this.message.dataset.kind = kind;
+    this.message.hidden = false;
+  }
+
+  showError(code, detail) {
+    const text = MESSAGES[code] ?? `The server reported an error (${code}).`;
+    this.showMessage(detail ? `${text} (${detail})` : text, "error");
+  }
+
+  async start() {
+    this.setState("starting");
+    this.message.hidden = true;
+    this.latency.textContent = "–";
+    this.rate = INITIAL_RATE;
+    const stream = new SpeechStream(this.streamHandlers());
+    const mic = new Microphone((chunk) => this.onChunk(chunk));
+    this.stream = stream;
+    this.mic = mic;
+    try {
+      await mic.start(this.rate);
+    } catch (err) {
+      this.mic = this.stream = null;
+      this.showError(err.reason ?? "failed");
+      this.setState("idle");
+      return;
+    }
+    mic.onEnded = () => {
+      if (this.state === "recording") {
+        this.showError("ended");
+        this.stop();
+      }
+    };
+    this.audio.textContent = `${kHz(this.rate)} · mic ${kHz(mic.deviceRate)}`;
+    stream.open();
+    this.setState("recording");
+  }
+
+  async stop() {
+    const { mic, stream } = this;
+    this.setState("finishing");
+    await mic.finish(); // the worklet's last chunk goes out through onChunk with last=true
+    const ended = await stream.waitEnd(END_TIMEOUT_MS);
+    if (stream !== this.stream) return; // a fatal error already closed this recording
+    if (!ended) this.showError("timeout");
+    await this.close();
+  }
+
+  async close() {
+    const { mic, stream } = this;
+    this.mic = this.stream = null;
+    mic?.release();
+    this.setState("idle");
+    await stream?.close();
+  }
+
+  onChunk(chunk) {
+    this.stream?.send(chunk);
+    let sum = 0;
+    for (const v of chunk.pcm) sum += v * v;
+    const rms = chunk.pcm.length ? Math.sqrt(sum / chunk.pcm.length) / 32768 : 0;
+    // Roughly -60..0 dBFS onto 0..1 for the level bar.
+    const level = Math.max(0, Math.min(1, 1 + Math.log10(rms + 1e-9) / 3));
+    this.level.style.setProperty("--level", level.toFixed(2));
+  }
+
+  streamHandlers() {
+    return {
+      state: (state, detail) => this.onConnectionState(state, detail),
+      session: (info, kind) => this.onSession(info, kind),
+      text: (result, latencyMs) => this.onText(result, latencyMs),
+      rateSwitch: (rate, reason, direction) => this.onRateSwitch(rate, reason, direction),
+      error: (err, fatal) => this.onServerError(err, fatal),
+      end: () => {},
+    };
+  }
+
+  onConnectionState(state, detail) {
+    const text = {
+      connecting: "Connecting…",
+      connected: "Connected",
+      reconnecting: detail ? `Connection lost · reconnecting (${detail}/${RECONNECT_ATTEMPTS})…` : "Connection lost · reconnecting…",
+      disconnected: "Disconnected",
+      failed: "Server unreachable",
+      closed: "Not connected",
+    }[state];
+    this.setConnection(state, text);
+    if (state === "disconnected" && this.stream) {
+      this.showError("closed");
+      this.close();
+    }
+  }
+
+  onSession(info, kind) {
+    this.setConnection("connected", `Connected · ${kHz(info.rate)}`);
+    this.sessionInfo.textContent = info.id.slice(0, 8);
+    this.sessionInfo.title = info.id;
+    if (info.rate !== this.rate) this.useRate(info.rate);
+    if (kind === "resumed") {
+      this.showMessage("Reconnected: the session continues where it left off.", "info");
+    } else if (kind === "restarted") {
+      this.showMessage("The connection dropped and the session could not be resumed, so a new session started. "
+        + "The text so far is kept; words spoken around the drop may be missing.", "info");
+    }
+  }
+
+  useRate(rate) {
+    this.rate = rate;
+    this.mic?.setRate(rate);
+    const device = this.mic?.deviceRate;
+    this.audio.textContent = device ? `${kHz(rate)} · mic ${kHz(device)}` : kHz(rate);
+  }
+
+  onRateSwitch(rate, reason, direction) {
+    if (!rate || rate === this.rate) return;
+    this.useRate(rate);
+    const why = direction === "down" ? "The network is slow" : "The network has recovered";
+    this.showMessage(`${why}: now sending ${kHz(rate)} audio${reason ? ` (${reason})` : ""}.`, "info");
+  }
+
+  onText(result, latencyMs) {
+    if (result.type === "partial") {
+      this.view.showPartial(result.text);
+      return;
+    }
+    this.view.addFinal(result);
+    if (latencyMs !== null) this.latency.textContent = `${Math.round(latencyMs)} ms`;
+  }
+
+  onServerError(err, fatal) {
+    this.showError(err.code, fatal ? null : err.msg);
+    if (fatal && this.stream) this.close();
+  }
+}
+
+new App(document);

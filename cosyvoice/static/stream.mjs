@@ -1,0 +1,181 @@
+// One recording's conversation with the gateway over Socket.IO (namespace /ws): chunk
+// numbering, acks, reconnection with resume, results, end and stop.
+
+import { encodeChunk } from "./wire.mjs";
+
+const NAMESPACE = "/ws";
+// Reconnection as a deployment tunes it: 5 attempts, starting 1 s apart (backing off to
+// socket.io's 5 s cap), all well inside the server's 30 s resume grace period.
+export const RECONNECT_ATTEMPTS = 5;
+export const RECONNECT_DELAY_MS = 1000;
+// Error codes after which the server closes the session (DESIGN.md, section 2).
+const FATAL_CODES = new Set(["overloaded", "unauthorized", "session_expired"]);
+
+/**
+ * A recording's stream of chunks and results.
+ *
+ * `handlers` receives: state(name, detail) with name connecting | connected |
+ * reconnecting | disconnected | failed | closed; session(info, kind) with kind new |
+ * resumed | restarted; text(result, latencyMs); rateSwitch(rate, reason, direction);
+ * error({code, msg}, fatal); end().
+ */
+export class SpeechStream {
+  constructor(handlers) {
+    this.on = handlers;
+    this.socket = null;
+    this.session = null; // {id, rate, chunkMs, limits} of the current session
+    this.lastResultId = null; // id of the last result received, for resume
+    this.pending = []; // chunks not acked yet, in order: {pcm, sampleRate, last, seq, sent}
+    this.nextSeq = 0;
+    this.announcedRate = null; // rate last sent explicitly on this connection
+    this.ready = false; // a `session` event arrived on the current connection
+    this.sentAt = new Map(); // seq -> performance.now() when sent, for latency
+    this.seenFinals = new Set();
+    this.ended = false;
+    this.endWaiters = [];
+    this.closing = false;
+  }
+
+  open() {
+    this.on.state("connecting");
+    const socket = globalThis.io(NAMESPACE, {
+      transports: ["websocket"],
+      forceNew: true,
+      reconnection: true,
+      reconnectionAttempts: RECONNECT_ATTEMPTS,
+      reconnectionDelay: RECONNECT_DELAY_MS,
+      auth: (cb) => cb(this.auth()),
+    });
+    this.socket = socket;
+    socket.on("connect", () => this.on.state("connected"));
+    socket.on("session", (data) => this.onSession(data));
+    socket.on("text", (data) => this.onText(data));
+    socket.on("end", () => this.onEnd());
+    socket.on("error", (data) => this.on.error(data, FATAL_CODES.has(data.code)));
+    socket.on("switch_down", (data) => this.on.rateSwitch(data.sample_rate, data.reason, "down"));
+    socket.on("switch_up", (data) => this.on.rateSwitch(data.sample_rate, data.reason, "up"));
+    socket.on("disconnect", (reason) => this.onDisconnect(reason));
+    socket.io.on("reconnect_attempt", (attempt) => this.on.state("reconnecting", attempt));
+    socket.io.on("reconnect_failed", () => {
+      this.on.state("failed");
+      this.on.error({ code: "unreachable", msg: "no answer from the server" }, true);
+    });
+  }
+
+  auth() {
+    const auth = {};
+    const net = globalThis.navigator?.connection;
+    if (net) auth.network_hint = { effectiveType: net.effectiveType, downlink: net.downlink, rtt: net.rtt };
+    if (this.session) {
+      auth.session = this.session.id;
+      if (this.lastResultId) auth.last_result = this.lastResultId;
+    }
+    return auth;
+  }
+
+  onSession(data) {
+    const previous = this.session;
+    let kind = "new";
+    if (previous && data.resumed && data.session === previous.id) {
+      kind = "resumed";
+      // The server holds everything below next_seq; the rest is sent again.
+      this.pending = this.pending.filter((c) => c.seq === null || c.seq >= data.next_seq);
+    } else {
+      if (previous) {
+        kind = "restarted";
+        // A new session numbers from its own next_seq; unacked audio goes into it.
+        for (const c of this.pending) c.seq = null;
+        this.sentAt.clear();
+        this.seenFinals.clear();
+        this.lastResultId = null;
+      }
+      this.nextSeq = data.next_seq;
+    }
+    this.session = { id: data.session, rate: data.sample_rate, chunkMs: data.chunk_ms, limits: data.limits };
+    this.ready = true;
+    this.announcedRate = null;
+    this.on.session(this.session, kind);
+    this.pump();
+  }
+
+  onDisconnect(reason) {
+    this.ready = false;
+    for (const c of this.pending) c.sent = false;
+    // Whatever socket.io buffered belongs to the lost connection; pump() resends.
+    this.socket.sendBuffer.length = 0;
+    if (this.closing) this.on.state("closed");
+    else if (reason === "io server disconnect") this.on.state("disconnected");
+    else this.on.state("reconnecting", 0);
+  }
+
+  /** Queues one chunk ({pcm: Int16Array, sampleRate, last}) and sends what it can. */
+  send(chunk) {
+    this.pending.push({ ...chunk, seq: null, sent: false });
+    this.pump();
+  }
+
+  pump() {
+    if (!this.ready || !this.socket.connected) return;
+    for (const c of this.pending) {
+      if (c.sent) continue;
+      if (c.seq === null) c.seq = this.nextSeq++;
+      // The first chunk on a connection and the first after a switch name their rate.
+      const sampleRate = c.sampleRate === this.announcedRate ? 0 : c.sampleRate;
+      this.announcedRate = c.sampleRate;
+      const payload = encodeChunk({ pcm: c.pcm, seq: c.seq, last: c.last, sampleRate, sentMs: Date.now() });
+      this.sentAt.set(c.seq, performance.now());
+      c.sent = true;
+      this.socket.emit("audio_chunk", payload, () => this.acked(c));
+    }
+  }
+
+  acked(chunk) {
+    // Refused chunks are acked too ({error, seq}); the `error` event explains them.
+    const i = this.pending.indexOf(chunk);
+    if (i >= 0) this.pending.splice(i, 1);
+  }
+
+  onText(result) {
+    if (result.id) this.lastResultId = result.id;
+    let latencyMs = null;
+    if (result.type === "final") {
+      const key = result.id ?? `u${result.utterance}`;
+      if (this.seenFinals.has(key)) return; // replayed after a resume
+      this.seenFinals.add(key);
+      if (this.sentAt.has(result.seq)) latencyMs = performance.now() - this.sentAt.get(result.seq);
+      for (const seq of this.sentAt.keys()) if (seq < result.seq) this.sentAt.delete(seq);
+    }
+    this.on.text(result, latencyMs);
+  }
+
+  onEnd() {
+    this.ended = true;
+    for (const resolve of this.endWaiters.splice(0)) resolve(true);
+    this.on.end();
+  }
+
+  /** Resolves true once the server sent `end` (every result delivered), false on timeout. */
+  waitEnd(timeoutMs) {
+    if (this.ended) return Promise.resolve(true);
+    return new Promise((resolve) => {
+      const timer = setTimeout(() => resolve(false), timeoutMs);
+      this.endWaiters.push((ended) => {
+        clearTimeout(timer);
+        resolve(ended);
+      });
+    });
+  }
+
+  /** Sends `stop` (the server deletes the session's data) and closes the connection. */
+  async close() {
+    this.closing = true;
+    if (this.socket?.connected) {
+      try {
+        await this.socket.timeout(5000).emitWithAck("stop");
+      } catch {
+        // No answer: the server expires the session after its grace period anyway.
+      }
+    }
+    this.socket?.disconnect();
+  }
+}

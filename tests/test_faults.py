@@ -1,0 +1,195 @@
+"""Faults through the running service: dropped connections, dead workers, Redis outages.
+
+The bar each time: the client's final transcript equals a run with no fault, no final
+reaches the client twice, and no accepted audio is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import redis
+import requests
+import socketio
+
+from cosyvoice import bus as busmod
+from cosyvoice.client import StreamingClient
+from cosyvoice.embedded_redis import EmbeddedRedis
+
+from .conftest import start_service, stop_service
+from .helpers import FIXTURES, read_pcm, wait_for
+from .netfault import CuttableProxy
+
+GRACE_S = 5.0
+FAULT_ENV = {"COSYVOICE_SESSION_GRACE_S": str(GRACE_S), "COSYVOICE_LEASE_TTL_MS": "1500",
+             "COSYVOICE_LEASE_RENEW_MS": "300", "COSYVOICE_CLAIM_INTERVAL_MS": "300"}
+
+
+def speech() -> bytes:
+    """Two utterances with a pause: a fault can land between or inside them."""
+    return read_pcm("weather") + b"\x00\x00" * 24000 + read_pcm("call") + b"\x00\x00" * 8000
+
+
+def strip(finals):
+    return [(f["utterance"], f["text"], f["start"], f["end"], f["words"]) for f in finals]
+
+
+@pytest.fixture(scope="module")
+def fault_redis():
+    server = EmbeddedRedis(persist=True).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def fault_service(fault_redis, artifacts):
+    svc = start_service(fault_redis.url, artifacts, "faults", extra_env=FAULT_ENV)
+    yield svc
+    stop_service(svc)
+
+
+@pytest.fixture(scope="module")
+def reference(fault_service):
+    client = StreamingClient(fault_service.url)
+    client.connect()
+    client.stream_pcm(speech(), 16000, pace="fast")
+    assert client.wait_end(30)
+    client.stop()
+    client.close()
+    assert len(client.result.finals) == 2
+    return strip(client.result.finals)
+
+
+def stream_with(service_url, fault, at_s: float, pace="realtime"):
+    """Stream the speech in real time and inject ``fault`` after ``at_s`` seconds."""
+    client = StreamingClient(service_url)
+    client.connect()
+    timer = threading.Timer(at_s, fault)
+    timer.start()
+    try:
+        client.stream_pcm(speech(), 16000, pace=pace)
+        assert client.wait_end(40), client.result.errors
+        client.stop()
+    finally:
+        timer.cancel()
+        client.close()
+    return client.result
+
+
+def test_dropped_connection_resumes_the_same_session(fault_service, reference):
+    port = int(fault_service.url.rsplit(":", 1)[1])
+    proxy = CuttableProxy(port)
+    try:
+        result = stream_with(proxy.url, proxy.cut, at_s=2.5)  # inside the second utterance
+    finally:
+        proxy.close()
+    assert result.resumes == 1
+    assert strip(result.finals) == reference
+    assert len({f["utterance"] for f in result.finals}) == len(result.finals)
+
+
+def test_results_published_while_disconnected_are_replayed(fault_service, redis_client_for):
+    client = StreamingClient(fault_service.url, reconnect=False)
+    client.connect()
+    pcm = read_pcm("coffee")
+    client.stream_pcm(pcm, 16000, pace="fast")  # everything acked, results still coming
+    sid = client.result.session
+    client.close()
+    rds = redis_client_for(fault_service)
+    wait_for(lambda: any(b'"end"' in f[b"r"] for _i, f in rds.xrange(busmod.text_key(sid))))
+    again = StreamingClient(fault_service.url, reconnect=False)
+    again.result.session = sid  # resume as a reconnecting client would, with no result
+    again.connect()
+    assert again.session_info["resumed"] is True
+    assert again.session_info["next_seq"] == len(pcm) // 6400 + (len(pcm) % 6400 > 0)
+    assert again.wait_end(10)
+    assert again.result.text == "i would like a cup of coffee"
+    again.stop()
+    again.close()
+
+
+def test_after_the_grace_period_the_client_hears_session_expired(fault_service):
+    first = StreamingClient(fault_service.url, reconnect=False)
+    first.connect()
+    assert first.send(read_pcm("door")[:6400], 0, wait_ack=True) == {"seq": 0}
+    sid = first.result.session
+    first.close()
+    time.sleep(GRACE_S + 1.5)
+    sio = socketio.Client(reconnection=False)
+    events = []
+    sio.on("error", lambda d: events.append(("error", d)), namespace="/ws")
+    sio.on("session", lambda d: events.append(("session", d)), namespace="/ws")
+    sio.connect(fault_service.url, namespaces=["/ws"], transports=["websocket"],
+                auth={"session": sid})
+    wait_for(lambda: any(e == "session" for e, _ in events))
+    sio.disconnect()
+    assert events[0][0] == "error" and events[0][1]["code"] == "session_expired"
+    fresh = events[1][1]
+    assert fresh["resumed"] is False and fresh["session"] != sid and fresh["next_seq"] == 0
+
+
+@pytest.fixture
+def redis_client_for():
+    clients = []
+
+    def make(service):
+        c = redis.Redis.from_url(service.redis_url)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+def test_killed_worker_mid_utterance_is_invisible_to_the_client(fault_service, reference,
+                                                                redis_client_for):
+    rds = redis_client_for(fault_service)
+    killed = []
+
+    def kill_owner():
+        owners = [k for k in [rds.get(busmod.lease_key(s)) for s in _open_sessions(rds)] if k]
+        for owner in owners:
+            pid = int(owner.decode().split("-")[-2])
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    result = stream_with(fault_service.url, kill_owner, at_s=2.6)
+    assert killed, "a worker process was killed mid-stream"
+    assert strip(result.finals) == reference
+    assert [f["utterance"] for f in result.finals] == [0, 1]
+    # the pool replaced the killed process
+    wait_for(lambda: len(busmod.Bus(rds).live_workers()) >= 2, timeout=30)
+
+
+def _open_sessions(rds) -> list[str]:
+    return [f[b"sid"].decode() for _id, f in rds.xrange(busmod.SESSIONS)]
+
+
+def test_redis_outage_loses_nothing_and_service_resumes(fault_service, fault_redis, reference):
+    down = threading.Event()
+
+    def outage():
+        fault_redis.stop(keep_data=True)
+        down.set()
+        # liveness stays up while Redis is gone
+        assert requests.get(fault_service.url + "/healthz", timeout=2).status_code == 200
+        time.sleep(1.5)
+        fault_redis.start()
+
+    result = stream_with(fault_service.url, outage, at_s=1.0)
+    assert down.is_set()
+    assert any(e["code"] == "unavailable" for e in result.errors), "clients were told"
+    assert strip(result.finals) == reference
+    # and a brand-new session works afterwards
+    after = StreamingClient(fault_service.url)
+    after.connect()
+    after.stream_pcm(read_pcm("weather"), 16000, pace="fast")
+    assert after.wait_end(20)
+    assert after.result.text == "the weather is nice today"
+    after.stop()
+    after.close()
