@@ -1,0 +1,264 @@
+"""The page at `/` in real headless Chromium: fake microphone to transcript on screen.
+
+Chromium plays a fixture through its fake capture device (which loops the file, so the
+fixture is padded with silence and Stop is pressed after one pass); the page captures it
+with its AudioWorklet and streams it to the real gateway and workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import signal
+import time
+import wave
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+from playwright.sync_api import Page, expect, sync_playwright
+
+from cosyvoice import bus as busmod
+from cosyvoice.embedded_redis import free_port
+
+from .conftest import TEST_GRACE_S
+from .helpers import (FIXTURES, direct_decode, fixture_texts, read_pcm, spawn, terminate,
+                      wait_http, wer)
+
+TEXTS = fixture_texts()
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+PAD_BEFORE_S = 1.0
+PAD_AFTER_S = 3.0
+# Stop this long before the padded file would start over (speech ended well before).
+STOP_BEFORE_LOOP_S = 1.0
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+BASE_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--no-first-run", "--use-fake-device-for-media-stream"]
+
+# Records what the reader sees: each partial text as it is shown, each final as appended.
+OBSERVER_JS = """
+window.__seen = [];
+document.addEventListener("DOMContentLoaded", () => {
+  const partial = document.getElementById("partial");
+  const finals = document.getElementById("finals");
+  new MutationObserver(() => {
+    const text = partial.textContent.trim();
+    if (text) window.__seen.push(["partial", text]);
+  }).observe(partial, { childList: true, characterData: true, subtree: true });
+  new MutationObserver((records) => {
+    for (const r of records)
+      for (const node of r.addedNodes)
+        if (node.nodeType === Node.ELEMENT_NODE) window.__seen.push(["final", node.textContent]);
+  }).observe(finals, { childList: true });
+});
+"""
+
+
+def padded_wav(pcm: bytes, path: Path) -> float:
+    """Writes 16 kHz PCM with silence around it as the fake microphone's file; its duration."""
+    silence = lambda s: b"\0\0" * int(16000 * s)  # noqa: E731
+    pcm = silence(PAD_BEFORE_S) + pcm + silence(PAD_AFTER_S)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(pcm)
+    return len(pcm) / 32000
+
+
+@dataclass
+class Observed:
+    """Everything the page did that a test checks besides what it shows."""
+
+    console_errors: list[str] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+
+    def watch(self, page: Page) -> None:
+        page.on("console", lambda m: m.type == "error" and self.console_errors.append(m.text))
+        page.on("pageerror", lambda e: self.console_errors.append(str(e)))
+        page.on("request", lambda r: self.urls.append(r.url))
+        page.on("websocket", lambda ws: self.urls.append(ws.url))
+        page.add_init_script(OBSERVER_JS)
+
+    def assert_stayed_local(self) -> None:
+        assert self.urls and all(urlsplit(u).hostname in LOCAL_HOSTS for u in self.urls), self.urls
+
+
+@contextlib.contextmanager
+def browser_page(viewport: dict, microphone_wav: Path | None = None, allow_microphone: bool = True):
+    """A fresh headless Chromium (own temporary profile) with one page, and what it did."""
+    args = list(BASE_ARGS)
+    if allow_microphone:
+        args.append("--use-fake-ui-for-media-stream")
+    if microphone_wav is not None:
+        args.append(f"--use-file-for-fake-audio-capture={microphone_wav}")
+    observed = Observed()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            page = browser.new_page(viewport=viewport)
+            observed.watch(page)
+            yield page, observed
+        finally:
+            browser.close()
+
+
+def wait_until_played(started: float, duration_s: float) -> None:
+    # The fake device plays its file from when capture opened: wait for one pass.
+    time.sleep(max(0.0, started + duration_s - STOP_BEFORE_LOOP_S - time.monotonic()))
+
+
+def bound(name: str) -> float:
+    return wer(TEXTS[name], direct_decode(read_pcm(name))) + 0.01
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_speech_into_the_page_microphone_shows_its_transcript(service, artifacts, tmp_path, name):
+    wav = tmp_path / f"{name}.wav"
+    duration = padded_wav(read_pcm(name), wav)
+    with browser_page({"width": 900, "height": 760}, wav) as (page, observed):
+        page.goto(service.url + "/")
+        button = page.locator("#record")
+        page.get_by_role("button", name="Start").click()
+        expect(button).to_have_attribute("aria-pressed", "true")
+        started = time.monotonic()
+        expect(page.locator("#connection")).to_contain_text("Connected")
+        wait_until_played(started, duration)
+        page.get_by_role("button", name="Stop").click()
+        # Back to Start once the server sent `end` for the last chunk and `stop` was acked.
+        expect(button).to_have_text("Start", timeout=30_000)
+        expect(page.locator("#message")).to_be_hidden()
+        page.screenshot(path=str(artifacts / f"browser-{name}.png"), full_page=True)
+        text = page.locator("#finals").inner_text()
+        seen = page.evaluate("window.__seen")
+        latency = page.locator("#latency").inner_text()
+        connection = page.locator("#connection").inner_text()
+
+    print(f"{name}: page WER {wer(TEXTS[name], text):.3f}, bound {bound(name):.3f}, "
+          f"latency {latency}: {text!r}")
+    assert wer(TEXTS[name], text) <= bound(name), (text, TEXTS[name])
+    kinds = [kind for kind, _text in seen]
+    assert "partial" in kinds and "final" in kinds, seen
+    assert kinds.index("partial") < kinds.index("final"), seen
+    assert re.fullmatch(r"\d+ ms", latency), latency
+    assert connection == "Not connected"
+    assert observed.console_errors == []
+    observed.assert_stayed_local()
+
+
+def test_page_works_by_keyboard_alone_at_phone_width(service, artifacts, tmp_path):
+    name = "coffee"
+    wav = tmp_path / f"{name}.wav"
+    duration = padded_wav(read_pcm(name), wav)
+    with browser_page({"width": 390, "height": 844}, wav) as (page, observed):
+        page.goto(service.url + "/")
+        assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+        page.keyboard.press("Tab")
+        expect(page.get_by_role("button", name="Start")).to_be_focused()
+        page.keyboard.press("Space")
+        expect(page.get_by_role("button", name="Stop")).to_be_focused()
+        started = time.monotonic()
+        wait_until_played(started, duration)
+        page.keyboard.press("Enter")
+        expect(page.get_by_role("button", name="Start")).to_be_focused(timeout=30_000)
+        # What a screen reader announces: the labelled live region with the final text.
+        text = page.get_by_role("log", name="Final text").inner_text()
+        assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+        page.screenshot(path=str(artifacts / "browser-phone.png"), full_page=True)
+    assert wer(TEXTS[name], text) <= bound(name), text
+    assert observed.console_errors == []
+    observed.assert_stayed_local()
+
+
+def test_denied_microphone_says_how_to_allow_it(service):
+    with browser_page({"width": 900, "height": 760}, allow_microphone=False) as (page, observed):
+        page.goto(service.url + "/")
+        page.get_by_role("button", name="Start").click()
+        expect(page.get_by_role("alert")).to_contain_text("Microphone access was denied")
+        expect(page.locator("#record")).to_have_text("Start")
+        expect(page.locator("#connection")).to_have_text("Not connected")
+    assert observed.console_errors == []
+    observed.assert_stayed_local()
+
+
+@pytest.fixture
+def own_gateway(service, artifacts):
+    """A gateway process of this test's own, on the shared Redis and workers; restartable."""
+    port = free_port()
+    env = {"COSYVOICE_REDIS_URL": service.redis_url, "COSYVOICE_PORT": str(port),
+           "COSYVOICE_SESSION_GRACE_S": str(TEST_GRACE_S)}
+    url = f"http://127.0.0.1:{port}"
+    procs = []
+
+    def start():
+        procs.append(spawn(["gateway"], env, artifacts / f"own-gateway-{port}.log"))
+        wait_http(url + "/healthz", procs[-1])
+        return procs[-1]
+
+    start()
+    yield url, start, procs
+    for proc in procs:
+        terminate(proc)
+
+
+def crash(proc) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_server_gone_mid_recording_is_reported_after_the_reconnection_attempts(
+        own_gateway, redis_client: redis.Redis, tmp_path):
+    url, _start, procs = own_gateway
+    wav = tmp_path / "weather.wav"
+    padded_wav(read_pcm("weather"), wav)
+    with browser_page({"width": 900, "height": 760}, wav) as (page, observed):
+        page.goto(url + "/")
+        page.get_by_role("button", name="Start").click()
+        expect(page.locator("#connection")).to_contain_text("Connected")
+        session = page.locator("#session").get_attribute("title")
+        crash(procs[0])
+        expect(page.locator("#connection")).to_contain_text("reconnecting")
+        # 5 attempts, 1 s apart backing off to 5 s (randomised by half): under 40 s.
+        expect(page.get_by_role("alert")).to_contain_text("Cannot reach the server", timeout=40_000)
+        expect(page.locator("#connection")).to_have_text("Server unreachable")
+        expect(page.locator("#record")).to_have_text("Start")
+    observed.assert_stayed_local()
+    redis_client.delete(*busmod.session_keys(session))  # the crashed gateway's leftovers
+
+
+def test_gateway_crash_mid_recording_loses_no_text_and_says_what_happened(
+        own_gateway, redis_client: redis.Redis, artifacts, tmp_path):
+    url, start, procs = own_gateway
+    pcm = (FIXTURES / "two_utterances.wav").read_bytes()[44:]
+    reference = (FIXTURES / "two_utterances.txt").read_text().split("\t")[1]
+    wav = tmp_path / "two.wav"
+    duration = padded_wav(pcm, wav)
+    with browser_page({"width": 900, "height": 760}, wav) as (page, observed):
+        page.goto(url + "/")
+        page.get_by_role("button", name="Start").click()
+        started = time.monotonic()
+        expect(page.locator("#connection")).to_contain_text("Connected")
+        first_session = page.locator("#session").get_attribute("title")
+        # The first utterance's final is on the page: the gateway dies in the pause after it.
+        expect(page.locator("#finals")).not_to_be_empty(timeout=15_000)
+        crash(procs[0])
+        start()
+        # The server either resumes the session or the page opens a new one; either way
+        # the reader is told which.
+        message = page.get_by_role("alert")
+        expect(message).to_contain_text(re.compile("session continues|new session started"),
+                                         timeout=20_000)
+        resumed = page.locator("#session").get_attribute("title") == first_session
+        expect(message).to_contain_text("session continues" if resumed else "new session started")
+        wait_until_played(started, duration)
+        page.get_by_role("button", name="Stop").click()
+        expect(page.locator("#record")).to_have_text("Start", timeout=30_000)
+        text = page.locator("#finals").inner_text()
+        page.screenshot(path=str(artifacts / "browser-reconnect.png"), full_page=True)
+    print(f"after the crash ({'resumed' if resumed else 'new session'}): {text!r}")
+    assert wer(reference, text) <= wer(reference, direct_decode(pcm)) + 0.01, text
+    observed.assert_stayed_local()
+    redis_client.delete(*busmod.session_keys(first_session))  # left over unless resumed

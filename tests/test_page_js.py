@@ -1,0 +1,48 @@
+"""The page's JavaScript outside the browser: its unit tests under Node's test runner,
+and its chunk encoding read back by the gateway's own codec."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+from cosyvoice.protocol import decode_chunk
+
+from .helpers import ROOT
+
+NODE = shutil.which("node") or "node"
+
+
+def test_node_unit_tests_of_capture_and_session_logic_pass():
+    proc = subprocess.run([NODE, "--test", "tests/js/"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "# fail 0" in proc.stdout
+
+
+def test_chunk_encoded_by_the_page_is_what_the_gateway_accepts():
+    script = """
+        import "./tests/js/page-globals.mjs";
+        import { encodeChunk } from "./cosyvoice/static/wire.mjs";
+        const pcm = Int16Array.from({ length: 3200 }, (_, i) => (i * 37) % 65536 - 32768);
+        const first = encodeChunk({ pcm, seq: 0, sampleRate: 16000, sentMs: 1733150000123 });
+        const last = encodeChunk({ pcm: new Int16Array(0), seq: 4294967295, last: true,
+                                   sentMs: 2 ** 52 });
+        console.log(JSON.stringify([first, last].map((b) => Buffer.from(b).toString("hex"))));
+    """
+    proc = subprocess.run([NODE, "--input-type=module", "-e", script], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    first, last = (bytes.fromhex(h) for h in json.loads(proc.stdout))
+
+    chunk = decode_chunk(first, 16000, 1000)
+    expected = [(i * 37) % 65536 - 32768 for i in range(3200)]
+    assert chunk.pcm == b"".join(v.to_bytes(2, "little", signed=True) for v in expected)
+    assert len(chunk.pcm) == 6400
+    assert (chunk.seq, chunk.last, chunk.sample_rate) == (0, False, 16000)
+    assert chunk.sent_ms == 1733150000123
+
+    end = decode_chunk(last, 16000, 1000)
+    assert (end.pcm, end.seq, end.last, end.sample_rate) == (b"", 2**32 - 1, True, 16000)
+    assert end.sent_ms == 2**52
