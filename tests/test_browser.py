@@ -22,9 +22,11 @@ import redis
 from playwright.sync_api import Page, expect, sync_playwright
 
 from cosyvoice import bus as busmod
-from cosyvoice.embedded_redis import free_port
+from cosyvoice import tokens
+from cosyvoice.client import StreamingClient
+from cosyvoice.embedded_redis import EmbeddedRedis, free_port
 
-from .conftest import TEST_GRACE_S
+from .conftest import TEST_GRACE_S, start_service, stop_service
 from .helpers import (FIXTURES, direct_decode, fixture_texts, read_pcm, spawn, terminate,
                       wait_http, wer)
 
@@ -184,12 +186,12 @@ def test_denied_microphone_says_how_to_allow_it(service):
     observed.assert_stayed_local()
 
 
-@pytest.fixture
-def own_gateway(service, artifacts):
-    """A gateway process of this test's own, on the shared Redis and workers; restartable."""
+@contextlib.contextmanager
+def own_gateway_process(redis_url: str, artifacts: Path, extra_env: dict | None = None):
+    """A gateway process of the test's own on a free port; restartable with `start`."""
     port = free_port()
-    env = {"COSYVOICE_REDIS_URL": service.redis_url, "COSYVOICE_PORT": str(port),
-           "COSYVOICE_SESSION_GRACE_S": str(TEST_GRACE_S)}
+    env = {"COSYVOICE_REDIS_URL": redis_url, "COSYVOICE_PORT": str(port),
+           "COSYVOICE_SESSION_GRACE_S": str(TEST_GRACE_S), **(extra_env or {})}
     url = f"http://127.0.0.1:{port}"
     procs = []
 
@@ -199,9 +201,18 @@ def own_gateway(service, artifacts):
         return procs[-1]
 
     start()
-    yield url, start, procs
-    for proc in procs:
-        terminate(proc)
+    try:
+        yield url, start, procs
+    finally:
+        for proc in procs:
+            terminate(proc)
+
+
+@pytest.fixture
+def own_gateway(service, artifacts):
+    """A gateway of the test's own on the shared Redis and workers, which it may kill."""
+    with own_gateway_process(service.redis_url, artifacts) as gateway:
+        yield gateway
 
 
 def crash(proc) -> None:
@@ -262,3 +273,81 @@ def test_gateway_crash_mid_recording_loses_no_text_and_says_what_happened(
     assert wer(reference, text) <= wer(reference, direct_decode(pcm)) + 0.01, text
     observed.assert_stayed_local()
     redis_client.delete(*busmod.session_keys(first_session))  # left over unless resumed
+
+
+def test_service_requiring_a_token_refuses_the_page_without_one_and_takes_it_from_the_address(
+        service, artifacts):
+    secret = "browser-test-secret"
+    env = {"COSYVOICE_AUTH_SECRET": secret}
+    with own_gateway_process(service.redis_url, artifacts, env) as (url, _start, _procs), \
+            browser_page({"width": 900, "height": 760}) as (page, observed):
+        page.goto(url + "/")
+        page.get_by_role("button", name="Start").click()
+        expect(page.get_by_role("alert")).to_contain_text("needs a valid token")
+        expect(page.locator("#record")).to_have_text("Start")
+        page.wait_for_timeout(500)  # the refused connection's close must not hide why
+        expect(page.get_by_role("alert")).to_contain_text("needs a valid token")
+
+        page.goto(f"{url}/#token={tokens.issue(secret, 'browser-test')}")
+        page.get_by_role("button", name="Start").click()
+        expect(page.locator("#connection")).to_contain_text("Connected")
+        expect(page.get_by_role("alert")).to_be_hidden()
+        page.get_by_role("button", name="Stop").click()
+        expect(page.locator("#record")).to_have_text("Start", timeout=30_000)
+        expect(page.get_by_role("alert")).to_be_hidden()
+    observed.assert_stayed_local()
+
+
+@contextlib.contextmanager
+def isolated_service(artifacts: Path, name: str, extra_env: dict):
+    """Gateway and one worker process on a Redis of their own, for limits no other test
+    may disturb (capacity, sessions per address)."""
+    server = EmbeddedRedis().start()
+    try:
+        svc = start_service(server.url, artifacts, name, processes=1, extra_env=extra_env)
+        try:
+            yield svc
+        finally:
+            stop_service(svc)
+    finally:
+        server.stop()
+
+
+def test_page_says_when_the_service_is_at_capacity(artifacts):
+    with isolated_service(artifacts, "capacity", {"COSYVOICE_WORKER_CAPACITY": "1"}) as svc:
+        holder = StreamingClient(svc.url)
+        try:
+            holder.connect()  # takes the only decoding slot
+            with browser_page({"width": 900, "height": 760}) as (page, observed):
+                page.goto(svc.url + "/")
+                page.get_by_role("button", name="Start").click()
+                alert = page.get_by_role("alert")
+                expect(alert).to_contain_text("The service is at capacity")
+                expect(alert).to_contain_text(re.compile(r"try again in \d+ s"))
+                expect(page.locator("#record")).to_have_text("Start")
+                page.wait_for_timeout(500)  # the refused connection's close must not hide why
+                expect(alert).to_contain_text("The service is at capacity")
+            observed.assert_stayed_local()
+        finally:
+            holder.close()
+
+
+def test_page_explains_a_refused_connection_and_keeps_the_reason(artifacts):
+    env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "1"}
+    with isolated_service(artifacts, "per-address", env) as svc:
+        holder = StreamingClient(svc.url)
+        try:
+            holder.connect()  # this address's only session
+            with browser_page({"width": 900, "height": 760}) as (page, observed):
+                page.goto(svc.url + "/")
+                page.get_by_role("button", name="Start").click()
+                alert = page.get_by_role("alert")
+                expect(alert).to_contain_text("limits for this address were reached")
+                expect(page.locator("#record")).to_have_text("Start")
+                page.wait_for_timeout(500)  # the refused connection's close must not hide why
+                expect(alert).to_contain_text("limits for this address were reached")
+                expect(page.locator("#connection")).to_have_text("Not connected")
+            observed.assert_stayed_local()
+        finally:
+            holder.stop()
+            holder.close()

@@ -20,10 +20,12 @@ const MESSAGES = {
   unreachable: "Cannot reach the server. Check your network connection and try again.",
   closed: "The server closed the connection.",
   timeout: "The server did not deliver the final text in time; the transcript may be incomplete.",
-  overloaded: "The service is at capacity and cannot take another recording right now. Please try again in a minute.",
+  overloaded: "The service is at capacity and cannot take another recording right now.",
   unsupported_rate: "The server does not accept audio at this sample rate.",
-  rate_limited: "Audio is arriving faster than the server allows; some of it was refused.",
-  unauthorized: "The server refused the connection: this service needs a sign-in token.",
+  rate_limited: "The server's limits for this address were reached.",
+  refused: "The server refused the connection.",
+  unauthorized: "The server refused the connection: this service needs a valid token. "
+    + "Open the page as /#token=… with a token from `cosyvoice token`.",
   session_expired: "The session has expired. Press Start to begin a new one.",
   unavailable: "The service's storage is unreachable; some audio may be lost.",
   bad_chunk: "The server refused a piece of audio as malformed.",
@@ -31,6 +33,15 @@ const MESSAGES = {
   seq_gap: "Some audio went missing on the way to the server.",
   internal: "The server hit an internal error.",
 };
+
+// A token for services that require one, from the page address: /#token=… (the part
+// after # never reaches a server or its logs).
+function pageToken() {
+  return new URLSearchParams(globalThis.location.hash.slice(1)).get("token");
+}
+
+// Codes whose message above says it all; other codes also show the server's words.
+const OWN_WORDS = new Set(["overloaded", "unauthorized", "session_expired"]);
 
 function kHz(rate) {
   return `${(rate / 1000).toLocaleString("en", { maximumFractionDigits: 1 })} kHz`;
@@ -51,6 +62,7 @@ class App {
     this.state = "idle";
     this.mic = null;
     this.stream = null;
+    this.errorShown = false;
     this.rate = INITIAL_RATE;
     this.button.addEventListener("click", () => this.toggle());
     $("clear").addEventListener("click", () => this.view.clear());
@@ -88,6 +100,7 @@ class App {
   showError(code, detail) {
     const text = MESSAGES[code] ?? `The server reported an error (${code}).`;
     this.showMessage(detail ? `${text} (${detail})` : text, "error");
+    this.errorShown = true;
   }
 
   async start() {
@@ -95,7 +108,8 @@ class App {
     this.message.hidden = true;
     this.latency.textContent = "–";
     this.rate = INITIAL_RATE;
-    const stream = new SpeechStream(this.streamHandlers());
+    this.errorShown = false;
+    const stream = new SpeechStream(this.streamHandlers(), { token: pageToken() });
     const mic = new Microphone((chunk) => this.onChunk(chunk));
     this.stream = stream;
     this.mic = mic;
@@ -164,11 +178,13 @@ class App {
       reconnecting: detail ? `Connection lost · reconnecting (${detail}/${RECONNECT_ATTEMPTS})…` : "Connection lost · reconnecting…",
       disconnected: "Disconnected",
       failed: "Server unreachable",
+      refused: "Refused",
       closed: "Not connected",
     }[state];
     this.setConnection(state, text);
-    if (state === "disconnected" && this.stream) {
-      this.showError("closed");
+    if ((state === "disconnected" || state === "refused") && this.stream) {
+      // The server closes after refusing a connection; its error said why already.
+      if (!this.errorShown) this.showError(state === "refused" ? "refused" : "closed");
       this.close();
     }
   }
@@ -210,7 +226,11 @@ class App {
   }
 
   onServerError(err, fatal) {
-    this.showError(err.code, fatal ? null : err.msg);
+    if (err.code === "overloaded" && err.retry_after_ms) {
+      this.showError("overloaded", `try again in ${Math.ceil(err.retry_after_ms / 1000)} s`);
+    } else {
+      this.showError(err.code, OWN_WORDS.has(err.code) ? null : err.msg);
+    }
     if (fatal && this.stream) this.close();
   }
 }

@@ -15,13 +15,15 @@ const FATAL_CODES = new Set(["overloaded", "unauthorized", "session_expired"]);
  * A recording's stream of chunks and results.
  *
  * `handlers` receives: state(name, detail) with name connecting | connected |
- * reconnecting | disconnected | failed | closed; session(info, kind) with kind new |
+ * reconnecting | disconnected | refused | failed | closed; session(info, kind) with kind new |
  * resumed | restarted; text(result, latencyMs); rateSwitch(rate, reason, direction);
  * error({code, msg}, fatal); end().
  */
 export class SpeechStream {
-  constructor(handlers) {
+  /** `token` is sent as `auth.token` when the service requires one. */
+  constructor(handlers, { token = null } = {}) {
     this.on = handlers;
+    this.token = token;
     this.socket = null;
     this.session = null; // {id, rate, chunkMs, limits} of the current session
     this.lastResultId = null; // id of the last result received, for resume
@@ -51,10 +53,17 @@ export class SpeechStream {
     socket.on("session", (data) => this.onSession(data));
     socket.on("text", (data) => this.onText(data));
     socket.on("end", () => this.onEnd());
-    socket.on("error", (data) => this.on.error(data, FATAL_CODES.has(data.code)));
+    // An error before this connection's `session` is the server refusing the connection.
+    socket.on("error", (data) => this.on.error(data, FATAL_CODES.has(data.code) || !this.ready));
     socket.on("switch_down", (data) => this.on.rateSwitch(data.sample_rate, data.reason, "down"));
     socket.on("switch_up", (data) => this.on.rateSwitch(data.sample_rate, data.reason, "up"));
     socket.on("disconnect", (reason) => this.onDisconnect(reason));
+    socket.on("connect_error", (err) => {
+      // Not `active`: the server refused the connection and socket.io will not retry.
+      if (socket.active) return;
+      if (err.data?.code) this.on.error(err.data, true);
+      this.on.state("refused");
+    });
     socket.io.on("reconnect_attempt", (attempt) => this.on.state("reconnecting", attempt));
     socket.io.on("reconnect_failed", () => {
       this.on.state("failed");
@@ -64,6 +73,7 @@ export class SpeechStream {
 
   auth() {
     const auth = {};
+    if (this.token) auth.token = this.token;
     const net = globalThis.navigator?.connection;
     if (net) auth.network_hint = { effectiveType: net.effectiveType, downlink: net.downlink, rtt: net.rtt };
     if (this.session) {
@@ -169,7 +179,7 @@ export class SpeechStream {
   /** Sends `stop` (the server deletes the session's data) and closes the connection. */
   async close() {
     this.closing = true;
-    if (this.socket?.connected) {
+    if (this.socket?.connected && this.ready) {
       try {
         await this.socket.timeout(5000).emitWithAck("stop");
       } catch {

@@ -163,7 +163,22 @@ test("waitEnd resolves on `end`, or false after its timeout", async () => {
 
 test("fatal server errors are flagged; the rest are not", () => {
   const { socket, log } = open();
+  socket.accept({ session: "s1", resumed: false, next_seq: 0, sample_rate: 16000 });
   socket.handlers.error({ code: "overloaded", msg: "busy" });
   socket.handlers.error({ code: "unsupported_rate", msg: "no", seq: 0 });
   assert.deepEqual(log.errors, [["overloaded", true], ["unsupported_rate", false]]);
+});
+
+test("an error before the connection's session is a refusal, whatever its code", () => {
+  const { socket, log } = open();
+  socket.handlers.error({ code: "rate_limited", msg: "this address already holds 1 sessions" });
+  assert.deepEqual(log.errors, [["rate_limited", true]]);
+});
+
+test("a refusal by connect_error reports the server's error and stops", () => {
+  const { socket, log } = open();
+  socket.active = false;
+  socket.handlers.connect_error(Object.assign(new Error("refused"), { data: { code: "unauthorized", msg: "no" } }));
+  assert.deepEqual(log.errors, [["unauthorized", true]]);
+  assert.equal(log.states.at(-1), "refused");
 });
