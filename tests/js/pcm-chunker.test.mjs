@@ -135,6 +135,18 @@ test("a rate switch applies at the next chunk boundary and keeps chunks at 200 m
   assert.ok(snrDb(at8k, ideal, 0, at8k.length) > 50);
 });
 
+test("a switch down from a session at the device's own rate keeps the audio continuous", () => {
+  const chunker = new PcmChunker(48000, 48000); // passthrough until the switch
+  const chunks = capture(chunker, [sine(48000, 2, 440)], (block) => {
+    if (block === 100) chunker.setRate(16000); // ~0.27 s in
+  });
+  assert.deepEqual(chunks.slice(0, 3).map((c) => [c.sampleRate, c.pcm.length]),
+                   [[48000, 9600], [48000, 9600], [16000, 3200]]);
+  const after = concat(chunks.slice(2, -1));
+  const ideal = sine(16000, 1.6, 440, 0.5, 2 * Math.PI * 440 * 0.4);
+  assert.ok(snrDb(after, ideal, 0, after.length) > 50);
+});
+
 test("flush right after a chunk boundary sends an empty last chunk", () => {
   const chunks = capture(new PcmChunker(16000, 16000), [new Float32Array(6400)]);
   assert.deepEqual(chunks.map((c) => [c.pcm.length, c.last]), [[3200, false], [3200, false], [0, true]]);
