@@ -25,7 +25,7 @@ const MESSAGES = {
   rate_limited: "The server's limits for this address were reached.",
   refused: "The server refused the connection.",
   unauthorized: "The server refused the connection: this service needs a valid token. "
-    + "Open the page as /#token=… with a token from `cosyvoice token`.",
+    + "Ask its operator for a link that carries one (…/#token=…).",
   session_expired: "The session has expired. Press Start to begin a new one.",
   unavailable: "The service's storage is unreachable; some audio may be lost.",
   bad_chunk: "The server refused a piece of audio as malformed.",
