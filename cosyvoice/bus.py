@@ -108,6 +108,27 @@ for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ARGV[2]) end
 return 1
 """
 
+# One client address's session slots: drops lapsed ones, sets (or, with lapse 0, removes)
+# this one's, refuses it past the limit (0 = no check), and lets the key expire with its
+# newest slot. KEYS: client key. ARGV: now ms, session id, lapse ms, limit.
+_SLOT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local ok = 1
+if ARGV[3] == '0' then
+  redis.call('ZREM', KEYS[1], ARGV[2])
+else
+  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+  local limit = tonumber(ARGV[4])
+  if limit > 0 and redis.call('ZCARD', KEYS[1]) > limit then
+    redis.call('ZREM', KEYS[1], ARGV[2])
+    ok = 0
+  end
+end
+local newest = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+if newest[2] then redis.call('PEXPIREAT', KEYS[1], newest[2]) end
+return ok
+"""
+
 # Renews a lease its owner holds; 1 renewed, 0 not ours, -1 the session is gone.
 _RENEW = """
 if redis.call('EXISTS', KEYS[2]) == 0 then
@@ -167,6 +188,7 @@ class Bus:
         self._release = client.register_script(_RELEASE)
         self._resume = client.register_script(_RESUME)
         self._release_conn = client.register_script(_RELEASE_CONN)
+        self._slot = client.register_script(_SLOT)
 
     # ---- gateway side -------------------------------------------------------------
 
@@ -178,7 +200,8 @@ class Bus:
             "status": "active", "created_ms": int(time.time() * 1000), "conn": conn,
             "client": client})
         pipe.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN, approximate=True)
-        pipe.execute()
+        announcement = pipe.execute()[1]
+        self.r.hset(session_key(sid), "announcement", announcement)
 
     def open_sessions(self) -> int:
         """Sessions announced and not yet ended (claimed or waiting for a worker)."""
@@ -198,27 +221,21 @@ class Bus:
         """Count a session against its client address; False when the address is full."""
         if limit <= 0 or not client:
             return True
-        key = client_key(client)
-        now_ms = int(time.time() * 1000)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.zremrangebyscore(key, "-inf", now_ms)
-        pipe.zadd(key, {sid: now_ms + int(hold_s * 1000)})
-        pipe.zcard(key)
-        pipe.pexpire(key, int(hold_s * 1000))
-        count = pipe.execute()[2]
-        if count > limit:
-            self.r.zrem(key, sid)
-            return False
-        return True
+        return self._hold_slot(client, sid, hold_s, limit)
 
     def hold_client_slot(self, client: str, sid: str, seconds: float) -> None:
-        """Keep the session's slot for ``seconds`` more (a disconnect's grace period)."""
+        """Keep the session's slot for ``seconds`` from now (e.g. a disconnect's grace)."""
         if client:
-            self.r.zadd(client_key(client), {sid: int((time.time() + seconds) * 1000)})
+            self._hold_slot(client, sid, seconds, 0)
+
+    def _hold_slot(self, client: str, sid: str, seconds: float, limit: int) -> bool:
+        now_ms = int(time.time() * 1000)
+        return bool(self._slot(keys=[client_key(client)],
+                               args=[now_ms, sid, now_ms + int(seconds * 1000), limit]))
 
     def release_client_slot(self, client: str, sid: str) -> None:
         if client:
-            self.r.zrem(client_key(client), sid)
+            self._slot(keys=[client_key(client)], args=[int(time.time() * 1000), sid, 0, 0])
 
     def append_chunks(self, items: list[tuple[str, int, bytes, int, bool]]) -> list:
         """Append (sid, seq, pb, rate, last) items in order with one round trip.
@@ -239,7 +256,15 @@ class Bus:
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     def delete_session(self, sid: str) -> None:
-        self.r.delete(*session_keys(sid))
+        """Delete every key of the session and its announcement (it no longer counts
+        as open; its worker notices at its next lease renewal)."""
+        announcement = self.r.hget(session_key(sid), "announcement")
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(*session_keys(sid))
+        if announcement:
+            pipe.xack(SESSIONS, WORKER_GROUP, announcement)
+            pipe.xdel(SESSIONS, announcement)
+        pipe.execute()
 
     def results_after(self, sid: str, after_id: str = "-", count: int = 1000):
         """Results stored after stream id ``after_id`` (exclusive), for replay."""
@@ -298,10 +323,11 @@ class Bus:
 
     def reannounce(self, sid: str, old_msg_id: str) -> None:
         """Hand a session to the next free worker at once (graceful shutdown)."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN, approximate=True)
+        new_id = self.r.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN, approximate=True)
+        pipe = self.r.pipeline(transaction=False)
         pipe.xack(SESSIONS, WORKER_GROUP, old_msg_id)
         pipe.xdel(SESSIONS, old_msg_id)
+        pipe.hset(session_key(sid), "announcement", new_id)
         pipe.execute()
 
     def take_lease(self, sid: str, worker_id: str, ttl_ms: int) -> bool:

@@ -82,6 +82,7 @@ class StreamingClient:
         self._lock = threading.Condition()
         self._ready = threading.Event()  # connected with a session
         self._done = threading.Event()  # end, or a fatal error
+        self._refused = threading.Event()  # the last connection attempt was refused
         self._next = 0  # next seq to send
         self._acked = -1  # highest seq acknowledged
         self._pause_until = 0.0
@@ -158,6 +159,16 @@ class StreamingClient:
                     self._done.set()
 
         @self.sio.event(namespace=NAMESPACE)
+        def connect_error(data=None):
+            # a refusal carries the wire error as its data: {message, data: {code, msg}}
+            wire = data.get("data") if isinstance(data, dict) else None
+            error = wire if isinstance(wire, dict) and "code" in wire else \
+                {"code": "internal", "msg": str(data)}
+            self.result.errors.append(error)
+            self._record("error", error)
+            self._refused.set()
+
+        @self.sio.event(namespace=NAMESPACE)
         def disconnect(reason=None):
             self._ready.clear()
 
@@ -185,16 +196,16 @@ class StreamingClient:
     def connect(self, timeout: float = 10.0, overload_retries: int = 5) -> dict:
         """Connect and wait for the ``session`` event; retries ``overloaded`` as hinted."""
         for _attempt in range(overload_retries + 1):
-            self._done.clear()
-            self.sio.connect(self.url, namespaces=[NAMESPACE], transports=["websocket"],
-                             auth=self._auth, headers=self.headers, wait_timeout=timeout)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and not self._ready.is_set() \
-                    and not self._done.is_set():
-                time.sleep(0.01)
-            if self._ready.is_set():
+            self._refused.clear()
+            try:
+                self.sio.connect(self.url, namespaces=[NAMESPACE], transports=["websocket"],
+                                 auth=self._auth, headers=self.headers, wait_timeout=timeout)
+            except socketio.exceptions.ConnectionError as exc:
+                if not self._refused.is_set():
+                    raise TranscribeError("unavailable", f"cannot connect: {exc}") from exc
+            if not self._refused.is_set() and self._ready.wait(timeout):
                 return self.session_info
-            refusal = self.result.errors[-1] if self.result.errors else {}
+            refusal = self.result.errors[-1] if self._refused.is_set() else {}
             self.close()
             if refusal.get("code") != "overloaded":
                 raise TranscribeError(refusal.get("code", "internal"),

@@ -26,6 +26,7 @@ from flask_socketio import SocketIO
 from gevent.event import AsyncResult
 from gevent.lock import Semaphore
 from gevent.queue import Queue
+from socketio.exceptions import ConnectionRefusedError as Refused
 
 from . import bus as busmod
 from . import tokens
@@ -58,6 +59,7 @@ class Connection:
     conn_id: str
     client: str
     bucket: TokenBucket | None
+    next_seq: int = 0  # as the session was opened or resumed
     created: float = field(default_factory=time.time)  # wall clock, for max_session_s
     stopped: bool = False
 
@@ -122,15 +124,19 @@ class ResultRelay:
         self._greenlet = gevent.spawn(self._run) if start else None
 
     def subscribe(self, session: str, socket_sid: str, after: str | None = None) -> None:
-        """Route the session's results to ``socket_sid``; replay those after ``after``.
+        """Route the session's results to ``socket_sid``.
 
-        ``after=None`` means a new session: there is nothing to replay.
+        ``after=None`` means a new session: nothing to replay. Otherwise live results are
+        held until ``replay`` has sent those stored after ``after`` ("-": all of them).
         """
         last = None if after in (None, "-") else after
-        route = self.routes[session] = Route(socket_sid, last, replaying=after is not None)
+        self.routes[session] = Route(socket_sid, last, replaying=after is not None)
         with self._lock:
             self.pubsub.subscribe(busmod.text_key(session))
-        if after is not None:
+
+    def replay(self, session: str) -> None:
+        route = self.routes.get(session)
+        if route is not None:
             self._replay(session, route)
 
     def unsubscribe(self, session: str, socket_sid: str | None = None) -> None:
@@ -257,22 +263,46 @@ class Gateway:
     # ---- handlers ---------------------------------------------------------------------
 
     def on_connect(self, auth=None):
+        """Open or resume a session. A refusal is a Socket.IO connect error,
+        ``{message, data}`` with the wire error (``{code, msg, ...}``) as ``data``.
+
+        Everything the client must see after connecting is emitted by a greenlet that
+        runs once the connect packet is out: events sent from inside this handler would
+        precede it and be dropped by clients.
+        """
+        notices: list[CosyvoiceError] = []
         try:
             req = parse_auth(auth)
             if self.settings.auth_secret:
                 tokens.verify(self.settings.auth_secret, req.token, self.settings.token_ttl_s)
-            conn = self._resume(req) if req.session else None
+            conn = self._resume(req, notices) if req.session else None
+            resumed = conn is not None
             if conn is None:
                 conn = self._open(req)
         except CosyvoiceError as err:
-            self._emit_error(err)
-            return False
+            log.info("connection refused: %s", err.code, extra={"event": "refuse"})
+            raise Refused(err.msg, err.to_wire()) from err
         except redis.RedisError as exc:
             log.warning("cannot open a session: %s", exc)
-            self._emit_error(Unavailable("the session store is unreachable"))
-            return False
+            err = Unavailable("the session store is unreachable")
+            raise Refused(err.msg, err.to_wire()) from exc
         self.connections[request.sid] = conn
+        gevent.spawn(self._welcome, request.sid, conn, resumed, notices)
         return True
+
+    def _welcome(self, socket_sid: str, conn: Connection, resumed: bool,
+                 notices: list[CosyvoiceError]) -> None:
+        to = {"to": socket_sid, "namespace": NAMESPACE}
+        for notice in notices:
+            self.socketio.emit("error", notice.to_wire(), **to)
+        self.socketio.emit("session", {
+            "session": conn.session, "resumed": resumed, "next_seq": conn.next_seq,
+            "sample_rate": conn.rate, "chunk_ms": CHUNK_MS, "limits": self._limits()}, **to)
+        if resumed:
+            try:
+                self.relay.replay(conn.session)
+            except redis.RedisError as exc:
+                log.warning("replay of %s failed: %s", conn.session, exc)
 
     def _open(self, req: ConnectRequest) -> Connection:
         if self.bus.open_sessions() >= self.worker_capacity():
@@ -292,33 +322,26 @@ class Gateway:
             self.bus.create_session(session, rate, conn=request.sid, client=client)
         except redis.RedisError:
             self.relay.unsubscribe(session)
+            self.bus.release_client_slot(client, session)
             raise
         log.info("session opened", extra={"session": session, "event": "connect"})
-        self._announce(conn, resumed=False, next_seq=0)
         return conn
 
-    def _resume(self, req: ConnectRequest) -> Connection | None:
+    def _resume(self, req: ConnectRequest, notices: list) -> Connection | None:
         info = self.bus.resume_session(req.session, request.sid)
         if not info:
             # Past the grace period: say so, then carry on with a fresh session.
-            self._emit_error(SessionExpired("the session expired; a new one was started"))
+            notices.append(SessionExpired("the session expired; a new one was started"))
             return None
         conn = Connection(session=req.session, rate=int(info.get("rate", 16000)),
                           conn_id=request.sid, client=info.get("client", ""),
-                          bucket=self._bucket(),
+                          bucket=self._bucket(), next_seq=int(info.get("next_seq", 0)),
                           created=int(info.get("created_ms", 0)) / 1000 or time.time())
         self.bus.hold_client_slot(conn.client, conn.session,
                                   self.settings.max_session_s + self.settings.session_grace_s)
         self.relay.subscribe(conn.session, request.sid, after=req.last_result or "-")
         log.info("session resumed", extra={"session": conn.session, "event": "resume"})
-        self._announce(conn, resumed=True, next_seq=int(info.get("next_seq", 0)))
         return conn
-
-    def _announce(self, conn: Connection, resumed: bool, next_seq: int) -> None:
-        self.socketio.emit("session", {
-            "session": conn.session, "resumed": resumed, "next_seq": next_seq,
-            "sample_rate": conn.rate, "chunk_ms": CHUNK_MS, "limits": self._limits()},
-            to=request.sid, namespace=NAMESPACE)
 
     def on_disconnect(self, reason=None):
         conn = self.connections.pop(request.sid, None)
@@ -413,7 +436,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     app = Flask(__name__, static_folder=None)
     origins = [o.strip() for o in settings.allowed_origins.split(",") if o.strip()] or None
     socketio = SocketIO(
-        app, async_mode="gevent", transports=["websocket"], always_connect=True,
+        app, async_mode="gevent", transports=["websocket"], always_connect=False,
         cors_allowed_origins=origins, max_http_buffer_size=max_payload_bytes(settings.max_chunk_ms) + 1024,
         ping_interval=25, ping_timeout=20)
     client = client or busmod.connect(settings.redis_url or "redis://127.0.0.1:6379/0",

@@ -15,6 +15,8 @@ from cosyvoice.protocol import encode_chunk
 from cosyvoice.settings import Settings
 from cosyvoice.webui import NAMESPACE, create_app
 
+from .inprocess import open_test_client
+
 CHUNK = b"\x01\x00" * 3200  # 200 ms at 16 kHz
 
 
@@ -43,8 +45,7 @@ def app(own_redis, redis_client):
 
 @pytest.fixture
 def client(app):
-    socketio = app.extensions["socketio"]
-    c = socketio.test_client(app, namespace=NAMESPACE, auth={"sample_rate": 16000})
+    c = open_test_client(app, auth={"sample_rate": 16000})
     yield c
     if c.is_connected(NAMESPACE):
         c.disconnect(NAMESPACE)
@@ -166,8 +167,7 @@ def test_handlers_running_concurrently_keep_seq_order(app, redis_client):
     """Handlers of one connection run in their own greenlets; order must survive."""
     import gevent
 
-    socketio = app.extensions["socketio"]
-    c = socketio.test_client(app, namespace=NAMESPACE)
+    c = open_test_client(app)
     sid = session_of(c)["session"]
     gateway = app.extensions["cosyvoice"]
     conn = gateway.connections[next(iter(k for k, v in gateway.connections.items()

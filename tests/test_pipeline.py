@@ -158,3 +158,54 @@ def test_cli_transcribe_fails_when_the_server_is_unreachable():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "error" in proc.stderr
+
+
+def _raw_socket(service):
+    import websocket
+    ws = websocket.create_connection(
+        service.url.replace("http", "ws") + "/socket.io/?EIO=4&transport=websocket", timeout=5)
+    assert ws.recv().startswith("0{")  # engine.io open packet
+    return ws
+
+
+@pytest.mark.parametrize("frames", [
+    ["40/ws,0.0"],
+    ["40/ws,{not json"],
+    ["40/ws,", '42/ws,["audio_chunk"]', '42/ws,["audio_chunk",{"_placeholder":true,"num":0}]'],
+    ["4" + "x" * 1000, "garbage", "6", "451-/ws,[\"audio_chunk\",{\"_placeholder\":true,\"num\":9}]"],
+])
+def test_garbage_frames_do_not_hurt_the_gateway(service, frames):
+    ws = _raw_socket(service)
+    try:
+        for frame in frames:
+            ws.send(frame)
+        ws.send_binary(b"\xff\x00\xfe")
+    finally:
+        ws.close()
+    # the process is alive and serves a real session afterwards
+    result = transcribe_pcm(service.url, read_pcm("weather"), 16000, pace="fast")
+    assert result.text == direct_decode(read_pcm("weather"))
+
+
+def test_connections_from_other_origins_are_refused(service):
+    """gevent-websocket completes the upgrade before the app runs, so the refusal is an
+    immediate close without an engine.io open packet (no session, no events)."""
+    import websocket
+    url = service.url.replace("http", "ws") + "/socket.io/?EIO=4&transport=websocket"
+    evil = websocket.create_connection(url, origin="https://evil.example", timeout=5)
+    try:
+        first = evil.recv()
+    except websocket.WebSocketConnectionClosedException:
+        first = ""
+    finally:
+        evil.shutdown()
+    assert not first.startswith("0{")
+    same = websocket.create_connection(url, origin=service.url, timeout=5)
+    assert same.recv().startswith("0{")
+    same.close()
+
+
+def test_long_polling_is_refused(service):
+    import requests
+    reply = requests.get(service.url + "/socket.io/?EIO=4&transport=polling", timeout=5)
+    assert reply.status_code == 400

@@ -8,8 +8,10 @@ const NAMESPACE = "/ws";
 // socket.io's 5 s cap), all well inside the server's 30 s resume grace period.
 export const RECONNECT_ATTEMPTS = 5;
 export const RECONNECT_DELAY_MS = 1000;
-// Error codes after which the server closes the session (DESIGN.md, section 2).
-const FATAL_CODES = new Set(["overloaded", "unauthorized", "session_expired"]);
+// Error codes that end the recording. Refusals at connect arrive as `connect_error`
+// (their data is the wire error); `session_expired` on reconnect is only a notice that a
+// fresh session follows.
+const FATAL_CODES = new Set(["overloaded", "unauthorized"]);
 
 /**
  * A recording's stream of chunks and results.
@@ -53,8 +55,7 @@ export class SpeechStream {
     socket.on("session", (data) => this.onSession(data));
     socket.on("text", (data) => this.onText(data));
     socket.on("end", () => this.onEnd());
-    // An error before this connection's `session` is the server refusing the connection.
-    socket.on("error", (data) => this.on.error(data, FATAL_CODES.has(data.code) || !this.ready));
+    socket.on("error", (data) => this.on.error(data, FATAL_CODES.has(data.code)));
     socket.on("switch_down", (data) => this.on.rateSwitch(data.sample_rate, data.reason, "down"));
     socket.on("switch_up", (data) => this.on.rateSwitch(data.sample_rate, data.reason, "up"));
     socket.on("disconnect", (reason) => this.onDisconnect(reason));

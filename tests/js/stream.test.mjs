@@ -169,10 +169,11 @@ test("fatal server errors are flagged; the rest are not", () => {
   assert.deepEqual(log.errors, [["overloaded", true], ["unsupported_rate", false]]);
 });
 
-test("an error before the connection's session is a refusal, whatever its code", () => {
+test("session_expired on reconnect is a notice: a fresh session follows", () => {
   const { socket, log } = open();
-  socket.handlers.error({ code: "rate_limited", msg: "this address already holds 1 sessions" });
-  assert.deepEqual(log.errors, [["rate_limited", true]]);
+  socket.handlers.error({ code: "session_expired", msg: "the session expired; a new one was started" });
+  socket.accept({ session: "s2", resumed: false, next_seq: 0, sample_rate: 16000 });
+  assert.deepEqual(log.errors, [["session_expired", false]]);
 });
 
 test("a refusal by connect_error reports the server's error and stops", () => {

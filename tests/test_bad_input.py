@@ -1,0 +1,272 @@
+"""Bad input and limits, in-process (Flask-SocketIO test client, real Redis), plus fuzzing.
+
+Every case must produce its documented error code, keep the connection usable where the
+code says so, and lose nothing already accepted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from cosyvoice import bus as busmod
+from cosyvoice import tokens
+from cosyvoice.embedded_redis import EmbeddedRedis
+from cosyvoice.errors import ERROR_CODES, CosyvoiceError
+from cosyvoice.limits import TokenBucket, parse_auth
+from cosyvoice.protocol import decode_chunk, encode_chunk
+from cosyvoice.settings import Settings
+from cosyvoice.webui import NAMESPACE, create_app
+
+from .inprocess import open_test_client
+
+CHUNK = b"\x01\x00" * 3200  # 200 ms at 16 kHz
+SECRET = "test-secret"
+
+
+@pytest.fixture(scope="module")
+def own_redis():
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def rds(own_redis):
+    client = redis.Redis.from_url(own_redis.url)
+    # Admission control needs worker capacity: this heartbeat stands in for a worker
+    # (no worker decodes in these tests).
+    busmod.Bus(client).heartbeat("bad-input-stand-in", 0, 10**6, 600_000)
+    return client
+
+
+def make_app(own_redis, rds, **overrides):
+    return create_app(Settings(redis_url=own_redis.url, **overrides), rds, relay_results=False)
+
+
+@pytest.fixture(scope="module")
+def app(own_redis, rds):
+    return make_app(own_redis, rds, rate_limit_factor=0, max_sessions_per_client=0)
+
+
+def connect(app, auth=None):
+    return open_test_client(app, auth=auth)
+
+
+def received(client):
+    return client.get_received(NAMESPACE) if client.is_connected(NAMESPACE) else []
+
+
+def send(client, payload):
+    return client.emit("audio_chunk", payload, namespace=NAMESPACE, callback=True)
+
+
+# ---- connect-time ------------------------------------------------------------------
+
+@pytest.mark.parametrize("auth, code", [
+    ("not a dict", "unauthorized"),
+    ({"sample_rate": 44100}, "unsupported_rate"),
+    ({"sample_rate": "16000"}, "unsupported_rate"),
+    ({"session": 12}, "unauthorized"),
+    ({"session": "../../etc"}, "unauthorized"),
+    ({"last_result": "abc"}, "unauthorized"),
+    ({"token": ""}, "unauthorized"),
+    ({"pad": "x" * 5000}, "unauthorized"),  # oversized
+    ({"network_hint": "fast"}, "unauthorized"),
+])
+def test_malformed_auth_is_refused_with_its_code(app, auth, code):
+    client = connect(app, auth=auth)
+    assert not client.is_connected(NAMESPACE)
+    assert client.refusal["code"] == code and client.refusal["msg"]
+
+
+def test_unknown_auth_keys_are_ignored(app):
+    client = connect(app, auth={"sample_rate": 8000, "future_option": True})
+    session = [e for e in received(client) if e["name"] == "session"][0]["args"][0]
+    assert session["sample_rate"] == 8000
+    client.disconnect(NAMESPACE)
+
+
+def test_token_auth(own_redis, rds):
+    app = make_app(own_redis, rds, auth_secret=SECRET, token_ttl_s=60)
+    for auth in (None, {"token": "forged"}, {"token": tokens.issue("other-secret")}):
+        c = connect(app, auth=auth)
+        assert not c.is_connected(NAMESPACE)
+        assert c.refusal["code"] == "unauthorized"
+    good = connect(app, auth={"token": tokens.issue(SECRET)})
+    assert good.is_connected(NAMESPACE)
+    good.disconnect(NAMESPACE)
+
+
+def test_expired_token_is_refused():
+    token = tokens.issue(SECRET)
+    time.sleep(2.1)  # token timestamps have whole-second resolution
+    with pytest.raises(CosyvoiceError) as err:
+        tokens.verify(SECRET, token, max_age_s=1)
+    assert err.value.code == "unauthorized"
+
+
+def test_cli_issues_tokens_the_gateway_accepts():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "cosyvoice", "token", "--subject", "alice"],
+                          env={"COSYVOICE_AUTH_SECRET": SECRET, "PATH": ""},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert tokens.verify(SECRET, proc.stdout.strip(), 60) == "alice"
+
+
+def test_overloaded_when_no_capacity(own_redis, rds):
+    app = make_app(own_redis, rds)
+    bus = busmod.Bus(rds)
+    bus.remove_worker("bad-input-stand-in")
+    try:
+        bus.heartbeat("tiny-stand-in", 0, 0, 600_000)  # a live worker with no capacity
+        c = connect(app)
+        assert not c.is_connected(NAMESPACE)
+        assert c.refusal["code"] == "overloaded" and c.refusal["retry_after_ms"] > 0
+    finally:
+        bus.remove_worker("tiny-stand-in")
+        bus.heartbeat("bad-input-stand-in", 0, 10**6, 600_000)
+
+
+def test_sessions_per_client_address_are_limited(own_redis, rds):
+    app = make_app(own_redis, rds, max_sessions_per_client=2)
+    rds.delete(busmod.client_key("127.0.0.1"))  # sessions of earlier tests in this module
+    first, second = connect(app), connect(app)
+    assert first.is_connected(NAMESPACE) and second.is_connected(NAMESPACE)
+    third = connect(app)
+    assert not third.is_connected(NAMESPACE)
+    assert third.refusal["code"] == "rate_limited"
+    assert first.emit("stop", namespace=NAMESPACE, callback=True)["stopped"] is True
+    fourth = connect(app)  # a stopped session frees its slot
+    assert fourth.is_connected(NAMESPACE)
+    for c in (first, second, fourth):
+        c.disconnect(NAMESPACE)
+
+
+# ---- chunks ------------------------------------------------------------------------
+
+def test_rate_limit_refuses_chunks_beyond_the_budget_and_keeps_the_rest(own_redis, rds):
+    app = make_app(own_redis, rds, rate_limit_factor=1.0, rate_limit_burst_s=1.0)
+    c = connect(app)
+    sid = [e for e in received(c) if e["name"] == "session"][0]["args"][0]["session"]
+    acks = [send(c, encode_chunk(CHUNK, seq)) for seq in range(5)]  # 1 s of audio: the burst
+    assert acks == [{"seq": s} for s in range(5)]
+    refused = send(c, encode_chunk(CHUNK, 5))
+    assert refused == {"error": "rate_limited", "seq": 5}
+    assert rds.xlen(busmod.audio_key(sid)) == 5, "nothing accepted was lost"
+    time.sleep(0.25)  # the bucket refills at real time
+    assert send(c, encode_chunk(CHUNK, 5)) == {"seq": 5}
+    c.disconnect(NAMESPACE)
+
+
+def test_rate_limit_can_be_turned_off(app):
+    c = connect(app)
+    assert [send(c, encode_chunk(b"\x00\x00" * 16000, s)) for s in range(40)] == \
+        [{"seq": s} for s in range(40)]
+    c.disconnect(NAMESPACE)
+
+
+def test_session_length_is_limited(own_redis, rds):
+    app = make_app(own_redis, rds, max_session_s=0.5, rate_limit_factor=0)
+    c = connect(app)
+    assert send(c, encode_chunk(CHUNK, 0)) == {"seq": 0}
+    time.sleep(0.6)
+    assert send(c, encode_chunk(CHUNK, 1))["error"] == "session_expired"
+    c.disconnect(NAMESPACE)
+
+
+def test_unknown_events_get_an_error_and_the_connection_stays(app):
+    c = connect(app)
+    received(c)
+    assert c.emit("hello", {"x": 1}, namespace=NAMESPACE, callback=True) == {"error": "bad_chunk"}
+    assert [e["args"][0]["code"] for e in received(c) if e["name"] == "error"] == ["bad_chunk"]
+    assert send(c, encode_chunk(CHUNK, 0)) == {"seq": 0}
+    c.disconnect(NAMESPACE)
+
+
+def test_token_bucket_refills_at_its_rate():
+    bucket = TokenBucket(rate=2.0, burst=1.0, now=0.0)
+    assert bucket.take(1.0, now=0.0)
+    assert not bucket.take(0.2, now=0.05)
+    assert bucket.take(0.2, now=0.1)
+    assert not bucket.take(1.1, now=100.0), "never more than the burst"
+
+
+# ---- fuzzing -----------------------------------------------------------------------
+
+FUZZ = settings(max_examples=10_000, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+protobuf_like = st.one_of(
+    st.binary(max_size=300),
+    st.builds(lambda pcm, seq, last, rate, sent: encode_chunk(pcm, seq, last=last,
+                                                              sample_rate=rate, sent_ms=sent),
+              st.binary(max_size=400), st.integers(0, 2**32 - 1), st.booleans(),
+              st.sampled_from([0, 8000, 16000, 48000, 44100, 1, 2**32 - 1]),
+              st.integers(0, 2**64 - 1)),
+    st.builds(lambda a, b: a + b, st.binary(max_size=20), st.binary(max_size=20)),
+)
+
+
+@FUZZ
+@given(payload=st.one_of(protobuf_like, st.text(max_size=50), st.integers(), st.none(),
+                         st.lists(st.integers(), max_size=3)))
+def test_fuzz_chunk_validator_only_raises_documented_errors(payload):
+    try:
+        chunk = decode_chunk(payload, 16000, 1000)
+    except CosyvoiceError as err:
+        assert err.code in ERROR_CODES and err.code != "internal"
+        return
+    assert isinstance(chunk.pcm, bytes) and len(chunk.pcm) % 2 == 0
+    assert chunk.sample_rate in (8000, 16000, 48000)
+    assert len(chunk.pcm) <= chunk.sample_rate * 2
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
+              st.text(max_size=30)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.text(max_size=10), inner, max_size=3)),
+    max_leaves=8)
+# A top-level number cannot be tested through the test client: its text encoding of the
+# CONNECT packet reads a leading number as an ack id. Raw frames like that are sent to the
+# real gateway in test_pipeline.py::test_garbage_frames_do_not_hurt_the_gateway.
+auth_values = st.one_of(
+    st.none(), st.booleans(), st.text(max_size=30), st.lists(json_values, max_size=3),
+    st.dictionaries(st.text(max_size=10), json_values, max_size=4),
+    st.fixed_dictionaries({}, optional={
+        "sample_rate": st.one_of(st.sampled_from([8000, 16000, 48000]), json_values),
+        "session": st.one_of(st.text(alphabet="0123456789abcdef", min_size=24, max_size=24),
+                             json_values),
+        "last_result": st.one_of(st.from_regex(r"\A\d{1,13}-\d{1,3}\Z"), json_values),
+        "token": json_values,
+        "network_hint": json_values,
+    }))
+
+
+@FUZZ
+@given(auth=auth_values)
+def test_fuzz_connect_handler_only_answers_documented_errors(app, auth):
+    client = connect(app, auth=auth)
+    if client.is_connected(NAMESPACE):
+        events = client.get_received(NAMESPACE)
+        names = [e["name"] for e in events]
+        assert "session" in names
+        for e in events:
+            if e["name"] == "error":
+                assert e["args"][0]["code"] == "session_expired"  # an unknown session id
+        client.disconnect(NAMESPACE)
+    else:
+        assert client.refusal["code"] in ERROR_CODES and client.refusal["code"] != "internal"
+
+
+def test_parse_auth_accepts_a_full_valid_dict():
+    req = parse_auth({"sample_rate": 48000, "token": "t", "session": "a" * 24,
+                      "last_result": "1700000000000-0",
+                      "network_hint": {"effectiveType": "4g", "downlink": 10, "rtt": 50}})
+    assert (req.sample_rate, req.session, req.last_result) == (48000, "a" * 24, "1700000000000-0")
