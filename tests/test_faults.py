@@ -193,3 +193,25 @@ def test_redis_outage_loses_nothing_and_service_resumes(fault_service, fault_red
     assert after.result.text == "the weather is nice today"
     after.stop()
     after.close()
+
+
+def test_a_lost_result_subscription_is_restored_and_missed_results_replayed(
+        fault_service, reference, redis_client_for):
+    rds = redis_client_for(fault_service)
+    killed = []
+
+    def kill_subscribers():
+        killed.append(rds.client_kill_filter(_type="pubsub"))
+
+    # twice: once mid-utterance, once around the first final
+    timers = [threading.Timer(t, kill_subscribers) for t in (1.2, 2.2)]
+    for t in timers:
+        t.start()
+    try:
+        result = stream_with(fault_service.url, lambda: None, at_s=0)
+    finally:
+        for t in timers:
+            t.cancel()
+    assert killed and all(n >= 1 for n in killed)
+    assert strip(result.finals) == reference
+    assert result.ended
