@@ -31,6 +31,7 @@ from .errors import (BadChunk, CosyvoiceError, Internal, SeqGap, SessionExpired,
                      Unavailable)
 from .protocol import CHUNK_MS, SUPPORTED_RATES, Chunk, decode_chunk, max_payload_bytes
 from .settings import Settings
+from . import debug_mem, metrics, probes
 
 log = logging.getLogger("cosyvoice.gateway")
 
@@ -78,6 +79,7 @@ class ChunkWriter:
                 replies = self.bus.append_chunks([item[:5] for item in batch])
             except redis.RedisError as exc:
                 log.warning("redis append failed: %s", exc)
+                metrics.REDIS_ERRORS.inc()
                 replies = [exc] * len(batch)
             for item, reply in zip(batch, replies):
                 item[5].set(reply)
@@ -114,6 +116,7 @@ class ResultRelay:
                 backoff = 0.1
             except redis.RedisError as exc:
                 log.warning("result subscriber lost redis, retrying in %.1fs: %s", backoff, exc)
+                metrics.REDIS_ERRORS.inc()
                 gevent.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
@@ -188,6 +191,7 @@ class Gateway:
             log.warning("cannot create session: %s", exc)
             self.relay.unsubscribe(session)
             self._emit_error(Unavailable("the session store is unreachable"))
+            metrics.REDIS_ERRORS.inc()
             return False
         self.connections[request.sid] = Connection(session=session, rate=rate)
         log.info("session %s opened", session, extra={"session": session, "event": "connect"})
@@ -205,10 +209,12 @@ class Gateway:
             if not conn.stopped:
                 self.bus.expire_session(conn.session, self.settings.session_grace_s)
         except redis.RedisError as exc:
+            metrics.REDIS_ERRORS.inc()
             log.warning("disconnect cleanup of %s failed: %s", conn.session, exc)
         log.info("session %s disconnected", conn.session,
                  extra={"session": conn.session, "event": "disconnect"})
 
+    @metrics.counts_chunks
     def on_audio_chunk(self, data=None):
         conn = self.connections.get(request.sid)
         try:
@@ -252,6 +258,7 @@ class Gateway:
             self.bus.delete_session(conn.session)
         except redis.RedisError as exc:
             conn.stopped = False
+            metrics.REDIS_ERRORS.inc()
             self._emit_error(Unavailable("could not delete the session"))
             log.warning("stop of %s failed: %s", conn.session, exc)
             return {"stopped": False}
@@ -282,6 +289,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     gateway = Gateway(settings, socketio, client, relay_results)
     gateway.register()
     app.extensions["cosyvoice"] = gateway
+    probes.install(app, gateway)
+    debug_mem.start("gateway")
 
     @app.get("/healthz")
     def healthz():
