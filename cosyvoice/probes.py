@@ -7,16 +7,12 @@ one ASR worker's heartbeat is fresh: take the instance out of rotation while it 
 
 from __future__ import annotations
 
-import logging
-
 import gevent
 import redis
 from flask import Flask, Response, jsonify
 
 from . import bus as busmod
 from . import metrics
-
-log = logging.getLogger("cosyvoice.gateway")
 
 # How often each gateway process records its number of connected sessions.
 SESSIONS_SAMPLE_S = 1.0
