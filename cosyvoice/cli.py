@@ -120,14 +120,27 @@ def cmd_gateway(settings: Settings) -> int:
 
 
 def cmd_worker(settings: Settings, processes: int | None) -> int:
-    from . import logs
-    from .worker import run_pool
+    from . import logs, metrics_dir
 
     logs.setup(settings.log_level)
     if not settings.redis_url:
         print("cosyvoice worker: set COSYVOICE_REDIS_URL or --redis-url", file=sys.stderr)
         return 2
-    return run_pool(settings, _process_count(settings, processes))
+    if not settings.worker_metrics_port:
+        from .worker import run_pool
+        return run_pool(settings, _process_count(settings, processes))
+    # The pool's processes add up their metrics in one directory, chosen before
+    # prometheus_client is imported (by .worker).
+    path, created = metrics_dir.choose("worker")
+    metrics_dir.clear(path)
+    from . import metrics
+    from .worker import run_pool
+    try:
+        metrics.serve_pool(settings.host, settings.worker_metrics_port)
+        return run_pool(settings, _process_count(settings, processes))
+    finally:
+        if created:
+            metrics_dir.remove(path)
 
 
 def cmd_serve(settings: Settings) -> int:

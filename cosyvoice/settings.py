@@ -24,11 +24,22 @@ class Settings:
     # Gateway bind address and port.
     host: str = "127.0.0.1"
     port: int = 5000
+    # Gateway processes per gunicorn instance (gunicorn.conf.py). The gateway is
+    # WebSocket-only, so each connection lives in one process and any number works.
+    gateway_processes: int = 1
+    # Seconds gunicorn lets a gateway process stay silent before it replaces it.
+    gateway_timeout_s: int = 30
+    # Seconds a stopping gateway process gets to finish its requests; live streams do
+    # not end by themselves, their clients resume on another process after the close.
+    gateway_graceful_timeout_s: int = 10
     # ASR worker processes `serve` starts; 0 means one per core (decoding is CPU-bound).
     workers: int = 0
     # Sessions one worker process decodes at once; PocketSphinx costs ~0.2 CPU-s per
     # audio second, so 4 real-time sessions keep a process under one core.
     worker_capacity: int = 4
+    # Port on which `cosyvoice worker` serves its pool's Prometheus metrics (on
+    # COSYVOICE_HOST); 0 turns it off, so several pools on one host never collide.
+    worker_metrics_port: int = 0
     # Recogniser engine: "pocketsphinx", or "null" (transport benchmarks only).
     engine: str = "pocketsphinx"
     # Seconds a disconnected session's keys live, so a client can resume.

@@ -35,6 +35,7 @@ from .errors import (BadChunk, CosyvoiceError, Internal, Overloaded, RateLimited
 from .limits import ConnectRequest, TokenBucket, parse_auth, result_id_key
 from .protocol import CHUNK_MS, SUPPORTED_RATES, Chunk, decode_chunk, max_payload_bytes
 from .settings import Settings
+from . import debug_mem, metrics, probes
 
 log = logging.getLogger("cosyvoice.gateway")
 
@@ -91,6 +92,7 @@ class ChunkWriter:
                 replies = self.bus.append_chunks([item[:5] for item in batch])
             except redis.RedisError as exc:
                 log.warning("redis append failed: %s", exc)
+                metrics.REDIS_ERRORS.inc()
                 replies = [exc] * len(batch)
             for item, reply in zip(batch, replies):
                 item[5].set(reply)
@@ -178,6 +180,7 @@ class ResultRelay:
             except redis.RedisError as exc:
                 lost = True
                 log.warning("result subscriber lost redis, retrying in %.1fs: %s", backoff, exc)
+                metrics.REDIS_ERRORS.inc()
                 gevent.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
@@ -284,6 +287,7 @@ class Gateway:
             raise Refused(err.msg, err.to_wire()) from err
         except redis.RedisError as exc:
             log.warning("cannot open a session: %s", exc)
+            metrics.REDIS_ERRORS.inc()
             err = Unavailable("the session store is unreachable")
             raise Refused(err.msg, err.to_wire()) from exc
         self.connections[request.sid] = conn
@@ -354,9 +358,11 @@ class Gateway:
                 if self.bus.release_connection(conn.session, conn.conn_id, grace):
                     self.bus.hold_client_slot(conn.client, conn.session, grace)
         except redis.RedisError as exc:
+            metrics.REDIS_ERRORS.inc()
             log.warning("disconnect cleanup of %s failed: %s", conn.session, exc)
         log.info("session disconnected", extra={"session": conn.session, "event": "disconnect"})
 
+    @metrics.counts_chunks
     def on_audio_chunk(self, data=None):
         conn = self.connections.get(request.sid)
         try:
@@ -410,6 +416,7 @@ class Gateway:
             self.bus.release_client_slot(conn.client, conn.session)
         except redis.RedisError as exc:
             conn.stopped = False
+            metrics.REDIS_ERRORS.inc()
             self._emit_error(Unavailable("could not delete the session"))
             log.warning("stop of %s failed: %s", conn.session, exc)
             return {"stopped": False}
@@ -448,6 +455,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         n = settings.trusted_proxies
         app.wsgi_app = ProxyFix(app.wsgi_app, x_for=n, x_proto=n, x_host=n)
     app.extensions["cosyvoice"] = gateway
+    probes.install(app, gateway)
+    debug_mem.start("gateway")
 
     @app.get("/healthz")
     def healthz():

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import redis
 
 from . import bus as busmod
+from . import debug_mem, metrics
 from .asr import Model, Stream, load_model
 from .protocol import parse_stored
 from .settings import Settings
@@ -85,6 +86,7 @@ class Worker:
                 # A restarted Redis has lost the consumer group: create it again.
                 group_ready = group_ready and "NOGROUP" not in str(exc)
                 log.warning("redis error in worker loop, retrying in %.1fs: %s", backoff, exc)
+                metrics.REDIS_ERRORS.inc()
                 time.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
         self._hand_over()
@@ -147,6 +149,7 @@ class Worker:
         self.bus.touch_announcements(self.id, [s.announcement for s in self.sessions.values()])
         self.bus.heartbeat(self.id, len(self.sessions), self.settings.worker_capacity,
                            self.settings.lease_ttl_ms)
+        metrics.worker_load(len(self.sessions), self.settings.worker_capacity)
 
     def _adopt(self, ann: busmod.Announcement) -> None:
         if ann.sid in self.sessions:
@@ -237,6 +240,7 @@ class Worker:
             alive = self.bus.publish_results(sid, results, self.settings.result_ttl_s,
                                              checkpoint, done=msg.last)
             s.position, s.next_seq = entry_id, msg.seq + 1
+            metrics.observe_decode_lag(entry_id, results)
             if not alive or msg.last:
                 self._finish(s)
                 return
@@ -267,6 +271,7 @@ def _run_child(settings: Settings, model: Model) -> int:
     signal.signal(signal.SIGINT, on_term)
     log.info("worker %s ready (engine %s, capacity %d)", worker.id, model.name,
              settings.worker_capacity)
+    debug_mem.start("worker")
     worker.run()
     return 0
 

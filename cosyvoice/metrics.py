@@ -1,0 +1,142 @@
+"""Every Prometheus metric cosyvoice exports, and how each server exposes them.
+
+The gateway serves ``/metrics`` on its own port; under gunicorn it adds up every process
+of the instance (prometheus_client's multi-process mode, directory chosen by
+``gunicorn.conf.py``). An ASR worker pool serves its own ``/metrics`` on
+``COSYVOICE_WORKER_METRICS_PORT``, adding up its worker processes the same way: workers
+run on other hosts than gateways, so they cannot share a registry with them.
+
+Import this module only after ``metrics_dir.choose`` (in a multi-process server): the
+metrics below are created at import, in the mode prometheus_client picks then.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter,
+                               Gauge, Histogram, generate_latest, start_http_server)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from . import metrics_dir
+from .errors import ERROR_CODES
+
+# ---- gateway ----------------------------------------------------------------------------
+
+SESSIONS_ACTIVE = Gauge(
+    "cosyvoice_sessions_active", "Sessions connected to this gateway instance",
+    multiprocess_mode="livesum")
+CHUNKS_ACCEPTED = Counter(
+    "cosyvoice_chunks_accepted", "Audio chunks acked: stored, or a duplicate of a stored one",
+    ["result"])
+CHUNKS_REJECTED = Counter(
+    "cosyvoice_chunks_rejected", "Audio chunks refused, by wire error code", ["code"])
+ACK_SECONDS = Histogram(
+    "cosyvoice_chunk_ack_seconds", "From a chunk's arrival to its ack (stored in Redis)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+
+# ---- worker -----------------------------------------------------------------------------
+
+DECODE_LAG = Histogram(
+    "cosyvoice_decode_lag_seconds",
+    "From a chunk entering its audio stream to the results it produced being published",
+    buckets=(0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0))
+WORKER_SESSIONS = Gauge(
+    "cosyvoice_worker_sessions", "Sessions this pool's worker processes are decoding",
+    multiprocess_mode="livesum")
+WORKER_CAPACITY = Gauge(
+    "cosyvoice_worker_capacity", "Sessions this pool's worker processes can decode at once",
+    multiprocess_mode="livesum")
+
+# ---- both -------------------------------------------------------------------------------
+
+REDIS_ERRORS = Counter(
+    "cosyvoice_redis_errors", "Redis operations that failed (unreachable, timeout, error)")
+
+GATEWAY_METRICS = (SESSIONS_ACTIVE, CHUNKS_ACCEPTED, CHUNKS_REJECTED, ACK_SECONDS, REDIS_ERRORS)
+WORKER_METRICS = (DECODE_LAG, WORKER_SESSIONS, WORKER_CAPACITY, REDIS_ERRORS)
+
+for _code in ERROR_CODES:
+    CHUNKS_REJECTED.labels(_code)  # every code is exported from the start, at 0
+for _result in ("stored", "duplicate"):
+    CHUNKS_ACCEPTED.labels(_result)
+
+
+def counts_chunks(handler):
+    """Decorates the ``audio_chunk`` handler: counts its acks by outcome and times them."""
+
+    @functools.wraps(handler)
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            ack = handler(*args, **kwargs)
+        except Exception:
+            CHUNKS_REJECTED.labels("internal").inc()
+            raise
+        if not isinstance(ack, dict) or "error" in ack:
+            code = ack.get("error", "internal") if isinstance(ack, dict) else "internal"
+            CHUNKS_REJECTED.labels(str(code)).inc()
+        else:
+            CHUNKS_ACCEPTED.labels("duplicate" if ack.get("duplicate") else "stored").inc()
+            ACK_SECONDS.observe(time.perf_counter() - started)
+        return ack
+
+    return wrapper
+
+
+def observe_decode_lag(entry_id: str, results: list) -> None:
+    """Records how long ago the audio entry ``entry_id`` was appended, if it produced
+    results. The entry id's millisecond part is Redis's clock, compared with this host's:
+    keep hosts in NTP sync, or the lag is off by their difference."""
+    if results:
+        appended_ms = int(entry_id.split("-", 1)[0])
+        DECODE_LAG.observe(max(0.0, time.time() - appended_ms / 1000))
+
+
+def worker_load(sessions: int, capacity: int) -> None:
+    WORKER_SESSIONS.set(sessions)
+    WORKER_CAPACITY.set(capacity)
+
+
+class _Only:
+    """The families of ``source`` that belong to one server (gateway or worker)."""
+
+    def __init__(self, source, metrics: tuple):
+        self.source = source
+        self.names = {family.name for m in metrics for family in m.describe()}
+
+    def collect(self):
+        return [family for family in self.source.collect() if family.name in self.names]
+
+
+def exposition() -> tuple[bytes, str]:
+    """(body, content type) of a gateway scrape: this process's metrics, or, in
+    multi-process mode, those of every process writing to the same directory."""
+    path = os.environ.get(metrics_dir.ENV)
+    if path:
+        source = MultiProcessCollector(None, path)
+    else:
+        source = REGISTRY
+    return generate_latest(_Only(source, GATEWAY_METRICS)), CONTENT_TYPE_LATEST
+
+
+class _PoolCollector(MultiProcessCollector):
+    """Adds up a worker pool's processes; forgets the live gauges of dead ones first."""
+
+    def collect(self):
+        metrics_dir.prune_dead(self._path)
+        return super().collect()
+
+
+def serve_pool(host: str, port: int) -> None:
+    """Serves the worker pool's metrics from a thread of the pool's parent process.
+
+    The forked worker processes close their copy of the listening socket, so the port is
+    free again as soon as the parent exits, even if a worker process lingers.
+    """
+    registry = CollectorRegistry()
+    registry.register(_Only(_PoolCollector(None, os.environ[metrics_dir.ENV]), WORKER_METRICS))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    os.register_at_fork(after_in_child=server.socket.close)

@@ -1,0 +1,55 @@
+"""The gateway's operational endpoints: readiness (``/readyz``) and metrics (``/metrics``).
+
+``/healthz`` (in ``webui``) says only that the process answers: restart it when that
+fails. ``/readyz`` says whether it can serve a session now — Redis answers and at least
+one ASR worker's heartbeat is fresh: take the instance out of rotation while it fails.
+"""
+
+from __future__ import annotations
+
+import gevent
+import redis
+from flask import Flask, Response, jsonify
+
+from . import bus as busmod
+from . import metrics
+
+# How often each gateway process records its number of connected sessions.
+SESSIONS_SAMPLE_S = 1.0
+
+
+def readiness(bus: busmod.Bus) -> tuple[bool, dict]:
+    """(ready, JSON body): Redis answers and a worker's heartbeat is fresh."""
+    try:
+        bus.r.ping()
+        workers = bus.live_workers()
+    except redis.RedisError as exc:
+        return False, {"status": "unavailable", "reason": f"redis unreachable: {exc}"}
+    if not workers:
+        return False, {"status": "unavailable",
+                       "reason": "no ASR worker has sent a heartbeat recently"}
+    return True, {"status": "ready", "workers": len(workers),
+                  "capacity": sum(w.get("capacity", 0) for w in workers),
+                  "load": sum(w.get("load", 0) for w in workers)}
+
+
+def install(app: Flask, gateway) -> None:
+    """Adds ``/readyz`` and ``/metrics`` to the gateway's app and keeps the sessions gauge."""
+
+    @app.get("/readyz")
+    def readyz():
+        ready, body = readiness(gateway.bus)
+        return jsonify(body), 200 if ready else 503
+
+    @app.get("/metrics")
+    def metrics_endpoint():
+        body, content_type = metrics.exposition()
+        return Response(body, content_type=content_type)
+
+    gevent.spawn(_sample_sessions, gateway.connections)
+
+
+def _sample_sessions(connections: dict) -> None:
+    while True:
+        metrics.SESSIONS_ACTIVE.set(len(connections))
+        gevent.sleep(SESSIONS_SAMPLE_S)

@@ -1,0 +1,343 @@
+"""The production stack for the deployment tests, built from the shipped files.
+
+The gateway and worker commands come from docker-compose.yml and run as they are, through
+this interpreter (``gunicorn …`` as ``python -m gunicorn …``, so the code under test is
+this checkout's). nginx's configuration is deploy/nginx.conf rendered by
+deploy/render-nginx.sh, the way the README tells operators to, with test paths and ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+import requests
+import websocket
+import yaml
+
+from cosyvoice import bus as busmod
+from cosyvoice.audio import split_chunks
+from cosyvoice.embedded_redis import free_port
+from cosyvoice.protocol import encode_chunk
+
+from .helpers import ROOT, terminate, wait_for, wait_http
+
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+GATEWAY_COMMAND = ["gunicorn", "-c", "gunicorn.conf.py", "cosyvoice.webui:app"]
+WORKER_COMMAND = ["cosyvoice", "worker"]
+NAMESPACE = "/ws"
+
+
+def compose_command(service: str) -> list[str]:
+    return list(COMPOSE["services"][service]["command"])
+
+
+def local(command: list[str]) -> list[str]:
+    """A compose command run through this interpreter (``gunicorn`` → ``python -m gunicorn``)."""
+    return [sys.executable, "-m", *command]
+
+
+def start(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """Starts a compose command from the repository root, as the image's WORKDIR is."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("COSYVOICE_") and k not in ("PROMETHEUS_MULTIPROC_DIR",
+                                                            "XDG_RUNTIME_DIR", "DEBUG_MEM")}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(local(command), env={**base, **env}, cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@dataclass
+class Gateway:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+    home: Path
+
+
+def start_gateway(redis_url: str, workdir: Path, name: str, processes: int = 1,
+                  extra_env: dict | None = None) -> Gateway:
+    port = free_port()
+    home = workdir / f"{name}-home"
+    home.mkdir(exist_ok=True)
+    env = {"COSYVOICE_REDIS_URL": redis_url, "COSYVOICE_HOST": "127.0.0.1",
+           "COSYVOICE_PORT": str(port), "COSYVOICE_GATEWAY_PROCESSES": str(processes),
+           "COSYVOICE_SESSION_GRACE_S": "2", "HOME": str(home), **(extra_env or {})}
+    log = workdir / f"{name}.log"
+    proc = start(compose_command("gateway-1"), env, log)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/healthz", proc, timeout=60)
+    return Gateway(url, proc, log, home)
+
+
+@dataclass
+class WorkerPool:
+    proc: subprocess.Popen
+    log: Path
+    metrics_url: str | None = None
+
+
+def start_worker(redis_url: str, workdir: Path, name: str, processes: int = 1,
+                 capacity: int = 2, metrics: bool = False,
+                 extra_env: dict | None = None) -> WorkerPool:
+    env = {"COSYVOICE_REDIS_URL": redis_url, "COSYVOICE_WORKERS": str(processes),
+           "COSYVOICE_WORKER_CAPACITY": str(capacity), "COSYVOICE_HOST": "127.0.0.1",
+           **(extra_env or {})}
+    metrics_url = None
+    if metrics:
+        port = free_port()
+        env["COSYVOICE_WORKER_METRICS_PORT"] = str(port)
+        metrics_url = f"http://127.0.0.1:{port}/metrics"
+    log = workdir / f"{name}.log"
+    return WorkerPool(start(compose_command("worker"), env, log), log, metrics_url)
+
+
+def wait_workers(redis_url: str, count: int, timeout: float = 60.0) -> None:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        wait_for(lambda: len(busmod.Bus(client).live_workers()) >= count, timeout=timeout)
+    finally:
+        client.close()
+
+
+# ---- nginx ------------------------------------------------------------------------------
+
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+def trusting(ca: Path) -> requests.Session:
+    """A session that trusts exactly ``ca``. Not the environment's CA bundle: requests
+    lets REQUESTS_CA_BUNDLE override a session's ``verify``."""
+    session = requests.Session()
+    session.trust_env = False
+    session.verify = str(ca)
+    return session
+
+
+def make_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost and 127.0.0.1 (it is its own CA)."""
+    cert, key = directory / "fullchain.pem", directory / "privkey.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                    "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def render_env(http_port: int, https_port: int, cert: Path, key: Path,
+               upstreams: list[str], log_dir: Path) -> dict[str, str]:
+    """The NGINX_* variables for the test. NGINX_USER is root: everything here runs as
+    root, and the files the test makes are readable by root only."""
+    return {"NGINX_USER": "root", "NGINX_HTTP_PORT": str(http_port),
+            "NGINX_HTTPS_PORT": str(https_port), "NGINX_SERVER_NAME": "_",
+            "NGINX_TLS_CERT": str(cert), "NGINX_TLS_KEY": str(key),
+            "NGINX_UPSTREAMS": " ".join(f"server {u};" for u in upstreams),
+            "NGINX_LOG_DIR": str(log_dir)}
+
+
+def render(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """deploy/render-nginx.sh, exactly as the README has operators run it."""
+    return subprocess.run(["sh", str(ROOT / "deploy" / "render-nginx.sh")],
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env},
+                          capture_output=True, text=True)
+
+
+def nginx_args(conf: Path, workdir: Path) -> list[str]:
+    """In the foreground, with its startup error log and pid file in the test's directory
+    instead of the system's."""
+    return [NGINX, "-c", str(conf), "-e", str(workdir / "error.log"),
+            "-g", f"daemon off; pid {workdir / 'nginx.pid'};"]
+
+
+@dataclass
+class Nginx:
+    proc: subprocess.Popen
+    conf: Path
+    workdir: Path
+    http_port: int
+    https_port: int
+    ca: Path
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.https_port}"
+
+    def access_log(self) -> list[str]:
+        return (self.workdir / "access.log").read_text().splitlines()
+
+
+def start_nginx(workdir: Path, upstreams: list[str]) -> Nginx:
+    workdir.mkdir(parents=True, exist_ok=True)
+    cert, key = make_certificate(workdir)
+    http_port, https_port = free_port(), free_port()
+    rendered = render(render_env(http_port, https_port, cert, key, upstreams, workdir))
+    assert rendered.returncode == 0, rendered.stderr
+    conf = workdir / "nginx.conf"
+    conf.write_text(rendered.stdout)
+    with open(workdir / "nginx.out", "ab") as out:
+        proc = subprocess.Popen(nginx_args(conf, workdir), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    server = Nginx(proc, conf, workdir, http_port, https_port, cert)
+    session = trusting(cert)
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"nginx exited: {(workdir / 'error.log').read_text()}")
+        try:
+            session.get(server.url + "/healthz", timeout=1)
+            return server
+        except requests.RequestException:
+            if time.monotonic() > deadline:
+                terminate(proc)
+                raise
+            time.sleep(0.1)
+
+
+# ---- a minimal Socket.IO client --------------------------------------------------------
+
+
+class Stream:
+    """One session, speaking Engine.IO 4 / Socket.IO 5 over a WebSocket directly.
+
+    Single-threaded on purpose: python-socketio's client reads and writes one TLS socket
+    from two threads at once, which OpenSSL does not support, and now and then loses a
+    wss:// connection that way. Here every frame is sent and received by the caller's
+    thread, so a failure through nginx is nginx's or the gateway's. ``ca`` is the
+    certificate to trust for wss:// (the fixture's self-signed one).
+    """
+
+    def __init__(self, url: str, ca: Path | None = None):
+        self.url = url.replace("http", "ws", 1) + "/socket.io/?EIO=4&transport=websocket"
+        self.ca = ca
+        self.handshake: dict = {}
+        self.session: dict = {}
+        self.finals: list[dict] = []
+        self.partials: list[dict] = []
+        self.errors: list[dict] = []
+        self.ended = False
+        self.refused = False  # the server closed the namespace
+        self._acks: dict[int, object] = {}
+        self._next_id = 0
+        self.ws: websocket.WebSocket | None = None
+
+    def connect(self, timeout: float = 20.0) -> "Stream":
+        sslopt = {"ca_certs": str(self.ca)} if self.ca else None
+        self.ws = websocket.create_connection(self.url, timeout=timeout, sslopt=sslopt)
+        opening = self.ws.recv()
+        assert opening.startswith("0"), opening
+        self.handshake = json.loads(opening[1:])
+        self.ws.send(f"40{NAMESPACE}," + json.dumps({"sample_rate": 16000}))
+        if not self._pump_until(lambda: self.session or self.errors or self.refused, timeout):
+            raise ConnectionError("no session event")
+        if not self.session:
+            raise ConnectionError(f"session refused: {self.errors}")
+        return self
+
+    def _pump_until(self, done, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.ws.settimeout(left)
+            try:
+                self._handle(self.ws.recv())
+            except websocket.WebSocketTimeoutException:
+                return bool(done())
+        return True
+
+    def _handle(self, frame) -> None:
+        if frame == "2":  # Engine.IO ping: answer or the server drops us
+            self.ws.send("3")
+            return
+        if not isinstance(frame, str) or not frame.startswith("4"):
+            return
+        kind, rest = frame[1], frame[2:].removeprefix(NAMESPACE + ",")
+        if kind == "2":  # event
+            name, data = json.loads(rest)
+            self._on_event(name, data)
+        elif kind == "3":  # ack: <id>[args]
+            split = rest.index("[")
+            self._acks[int(rest[:split])] = json.loads(rest[split:])[0]
+        elif kind in "14":  # disconnect, or connect error
+            self.refused = True
+
+    def _on_event(self, name: str, data) -> None:
+        if name == "session":
+            self.session = data
+        elif name == "text":
+            (self.finals if data["type"] == "final" else self.partials).append(data)
+        elif name == "error":
+            self.errors.append(data)
+        elif name == "end":
+            self.ended = True
+
+    def _call(self, frames: list, timeout: float) -> dict:
+        ack_id, self._next_id = self._next_id, self._next_id + 1
+        for frame in frames:
+            if isinstance(frame, bytes):
+                self.ws.send_binary(frame)
+            else:
+                self.ws.send(frame.format(ns=NAMESPACE, id=ack_id))
+        assert self._pump_until(lambda: ack_id in self._acks or self.refused, timeout), "no ack"
+        assert not self.refused, f"the server closed the session: {self.errors}"
+        return self._acks.pop(ack_id)
+
+    def send(self, payload: bytes, timeout: float = 20.0) -> dict:
+        """One ``audio_chunk`` (a binary event: placeholder, then the bytes); its ack."""
+        return self._call(['451-{ns},{id}["audio_chunk",{{"_placeholder":true,"num":0}}]',
+                           payload], timeout)
+
+    def stop(self, timeout: float = 20.0) -> dict:
+        """Ends the session now; its keys are deleted (and its worker slot freed)."""
+        return self._call(['42{ns},{id}["stop"]'], timeout)
+
+    def send_pcm(self, pcm: bytes, rate: int = 16000) -> list[dict]:
+        """Every 200 ms chunk, the last with ``last=true``; returns the acks."""
+        chunks = split_chunks(pcm, rate)
+        return [self.send(encode_chunk(c, seq, last=seq == len(chunks) - 1,
+                                       sample_rate=rate if seq == 0 else 0))
+                for seq, c in enumerate(chunks)]
+
+    def wait_end(self, timeout: float = 60.0) -> bool:
+        return self._pump_until(lambda: self.ended, timeout)
+
+    @property
+    def text(self) -> str:
+        return " ".join(f["text"] for f in self.finals if f["text"]).strip()
+
+    def close(self, stop: bool = False) -> None:
+        """Disconnects; with ``stop``, ends the session first rather than leaving it to
+        expire after the grace period (it would hold a worker slot until then)."""
+        if self.ws is None or not self.ws.connected:
+            return
+        try:
+            if stop and self.session and not self.refused:
+                self.stop()
+            self.ws.send(f"41{NAMESPACE},")
+        finally:
+            self.ws.close()
+
+
+# ---- metrics -----------------------------------------------------------------------------
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A /metrics page as {sample name with labels: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = requests.get(url, timeout=10).text
+    values = {}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
