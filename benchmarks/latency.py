@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.stack import Stack, fixture_names, percentile, read_fixture  # noqa: E402
-from cosyvoice.client import StreamingClient  # noqa: E402
+from cosyvoice.client import StreamingClient, TranscribeError  # noqa: E402
 
 
 def last_to_final(url: str, n: int) -> list[float]:
@@ -39,6 +39,21 @@ def last_to_final(url: str, n: int) -> list[float]:
         c.stop()
         c.close()
     return out
+
+
+def hammer(url: str, stop: threading.Event, counts: dict) -> None:
+    """Keeps asking for a session while the service is full, as impatient clients do."""
+    while not stop.is_set():
+        c = StreamingClient(url, reconnect=False)
+        try:
+            c.connect(overload_retries=0)
+            counts["admitted"] += 1
+            c.stop()
+        except TranscribeError as err:
+            counts[err.code] = counts.get(err.code, 0) + 1
+        finally:
+            c.close()
+        stop.wait(0.05)
 
 
 def partial_latency(url: str, sessions: int, seconds: float) -> tuple[list[float], int]:
@@ -83,6 +98,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--overload", type=int, default=8,
+                    help="clients that keep asking for sessions while `capacity` run")
     args = ap.parse_args()
     report = {}
     with Stack(processes=args.workers) as stack:
@@ -96,6 +113,24 @@ def main() -> None:
             report[f"partial_ms_{n}_sessions"] = {
                 "n": len(lat), "p50": percentile(lat, 50), "p99": percentile(lat, 99),
                 "max": max(lat) if lat else None, "errors": errs}
+        # Admission control: the service is full; more clients keep knocking.
+        capacity = sum(w["capacity"] for w in __import__("cosyvoice.bus").bus.Bus(stack.client).live_workers())
+        if args.overload:
+            stop, counts = threading.Event(), {"admitted": 0}
+            knockers = [threading.Thread(target=hammer, args=(stack.url, stop, counts))
+                        for _ in range(args.overload)]
+            def start_knocking():
+                time.sleep(2.0)  # the running sessions have been admitted by then
+                for t in knockers:
+                    t.start()
+            threading.Thread(target=start_knocking).start()
+            lat, errs = partial_latency(stack.url, capacity, args.seconds)
+            stop.set()
+            for t in knockers:
+                t.join()
+            report[f"partial_ms_{capacity}_sessions_plus_{args.overload}_knocking"] = {
+                "n": len(lat), "p50": percentile(lat, 50), "p99": percentile(lat, 99),
+                "max": max(lat) if lat else None, "errors": errs, "knocks": counts}
     print(json.dumps(report, indent=2))
 
 
