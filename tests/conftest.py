@@ -32,6 +32,14 @@ def redis_server():
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def module_redis():
+    """A redis-server of the test module's own, for tests that count or fill it."""
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_client(redis_server) -> redis.Redis:
     return redis.Redis.from_url(redis_server.url)

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cosyvoice import bus as busmod
 from cosyvoice import tokens
-from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.errors import ERROR_CODES, CosyvoiceError
 from cosyvoice.limits import TokenBucket, parse_auth
 from cosyvoice.protocol import decode_chunk, encode_chunk
@@ -28,28 +27,21 @@ SECRET = "test-secret"
 
 
 @pytest.fixture(scope="module")
-def own_redis():
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def rds(own_redis):
-    client = redis.Redis.from_url(own_redis.url)
+def rds(module_redis):
+    client = redis.Redis.from_url(module_redis.url)
     # Admission control needs worker capacity: this heartbeat stands in for a worker
     # (no worker decodes in these tests).
     busmod.Bus(client).heartbeat("bad-input-stand-in", 0, 10**6, 600_000)
     return client
 
 
-def make_app(own_redis, rds, **overrides):
-    return create_app(Settings(redis_url=own_redis.url, **overrides), rds, relay_results=False)
+def make_app(module_redis, rds, **overrides):
+    return create_app(Settings(redis_url=module_redis.url, **overrides), rds, relay_results=False)
 
 
 @pytest.fixture(scope="module")
-def app(own_redis, rds):
-    return make_app(own_redis, rds, rate_limit_factor=0, max_sessions_per_client=0)
+def app(module_redis, rds):
+    return make_app(module_redis, rds, rate_limit_factor=0, max_sessions_per_client=0)
 
 
 def connect(app, auth=None):
@@ -90,8 +82,8 @@ def test_unknown_auth_keys_are_ignored(app):
     client.disconnect(NAMESPACE)
 
 
-def test_token_auth(own_redis, rds):
-    app = make_app(own_redis, rds, auth_secret=SECRET, token_ttl_s=60)
+def test_token_auth(module_redis, rds):
+    app = make_app(module_redis, rds, auth_secret=SECRET, token_ttl_s=60)
     for auth in (None, {"token": "forged"}, {"token": tokens.issue("other-secret")}):
         c = connect(app, auth=auth)
         assert not c.is_connected(NAMESPACE)
@@ -119,8 +111,8 @@ def test_cli_issues_tokens_the_gateway_accepts():
     assert tokens.verify(SECRET, proc.stdout.strip(), 60) == "alice"
 
 
-def test_overloaded_when_no_capacity(own_redis, rds):
-    app = make_app(own_redis, rds)
+def test_overloaded_when_no_capacity(module_redis, rds):
+    app = make_app(module_redis, rds)
     bus = busmod.Bus(rds)
     bus.remove_worker("bad-input-stand-in")
     try:
@@ -133,8 +125,8 @@ def test_overloaded_when_no_capacity(own_redis, rds):
         bus.heartbeat("bad-input-stand-in", 0, 10**6, 600_000)
 
 
-def test_sessions_per_client_address_are_limited(own_redis, rds):
-    app = make_app(own_redis, rds, max_sessions_per_client=2)
+def test_sessions_per_client_address_are_limited(module_redis, rds):
+    app = make_app(module_redis, rds, max_sessions_per_client=2)
     rds.delete(busmod.client_key("127.0.0.1"))  # sessions of earlier tests in this module
     first, second = connect(app), connect(app)
     assert first.is_connected(NAMESPACE) and second.is_connected(NAMESPACE)
@@ -150,8 +142,8 @@ def test_sessions_per_client_address_are_limited(own_redis, rds):
 
 # ---- chunks ------------------------------------------------------------------------
 
-def test_rate_limit_refuses_chunks_beyond_the_budget_and_keeps_the_rest(own_redis, rds):
-    app = make_app(own_redis, rds, rate_limit_factor=1.0, rate_limit_burst_s=1.0)
+def test_rate_limit_refuses_chunks_beyond_the_budget_and_keeps_the_rest(module_redis, rds):
+    app = make_app(module_redis, rds, rate_limit_factor=1.0, rate_limit_burst_s=1.0)
     c = connect(app)
     sid = [e for e in received(c) if e["name"] == "session"][0]["args"][0]["session"]
     acks = [send(c, encode_chunk(CHUNK, seq)) for seq in range(5)]  # 1 s of audio: the burst
@@ -171,8 +163,8 @@ def test_rate_limit_can_be_turned_off(app):
     c.disconnect(NAMESPACE)
 
 
-def test_session_length_is_limited(own_redis, rds):
-    app = make_app(own_redis, rds, max_session_s=0.5, rate_limit_factor=0)
+def test_session_length_is_limited(module_redis, rds):
+    app = make_app(module_redis, rds, max_session_s=0.5, rate_limit_factor=0)
     c = connect(app)
     assert send(c, encode_chunk(CHUNK, 0)) == {"seq": 0}
     time.sleep(0.6)

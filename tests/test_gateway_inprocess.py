@@ -10,7 +10,6 @@ import pytest
 import redis
 
 from cosyvoice import bus as busmod
-from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.protocol import encode_chunk
 from cosyvoice.settings import Settings
 from cosyvoice.webui import NAMESPACE, create_app
@@ -21,24 +20,17 @@ CHUNK = b"\x01\x00" * 3200  # 200 ms at 16 kHz
 
 
 @pytest.fixture(scope="module")
-def own_redis():
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
+def redis_client(module_redis):
+    return redis.Redis.from_url(module_redis.url)
 
 
 @pytest.fixture(scope="module")
-def redis_client(own_redis):
-    return redis.Redis.from_url(own_redis.url)
-
-
-@pytest.fixture(scope="module")
-def app(own_redis, redis_client):
+def app(module_redis, redis_client):
     client = redis_client
     # Admission control needs worker capacity: this heartbeat stands in for a worker
     # (no worker decodes in these tests; it is removed afterwards).
     busmod.Bus(client).heartbeat("inprocess-stand-in", 0, 100000, 600_000)
-    settings = Settings(redis_url=own_redis.url, rate_limit_factor=0)
+    settings = Settings(redis_url=module_redis.url, rate_limit_factor=0)
     yield create_app(settings, client, relay_results=False)
     busmod.Bus(client).remove_worker("inprocess-stand-in")
 
