@@ -45,6 +45,10 @@ STATIC_DIR = Path(__file__).parent / "static"
 WRITE_BATCH = 256
 # How long a handler waits for its chunk to be stored before answering `unavailable`.
 WRITE_TIMEOUT_S = 10.0
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; worker-src 'self'; media-src 'self'; object-src 'none'; "
+    "base-uri 'self'; form-action 'self'; frame-ancestors 'none'")
 # Cap of the pause between attempts to reach Redis again.
 MAX_BACKOFF_S = 2.0
 # How long the gateway trusts its reading of the workers' total capacity.
@@ -457,6 +461,16 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     app.extensions["cosyvoice"] = gateway
     probes.install(app, gateway)
     debug_mem.start("gateway")
+
+    @app.after_request
+    def security_headers(response):
+        # The page needs nothing but its own origin (scripts, worklet, wss to itself);
+        # nginx sends the same policy in front (deploy/nginx.conf).
+        response.headers.setdefault("Content-Security-Policy", CONTENT_SECURITY_POLICY)
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("Referrer-Policy", "no-referrer")
+        response.headers.setdefault("Permissions-Policy", "microphone=(self), camera=(), geolocation=()")
+        return response
 
     @app.get("/healthz")
     def healthz():

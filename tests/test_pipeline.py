@@ -209,3 +209,12 @@ def test_long_polling_is_refused(service):
     import requests
     reply = requests.get(service.url + "/socket.io/?EIO=4&transport=polling", timeout=5)
     assert reply.status_code == 400
+
+
+def test_page_is_served_with_a_same_origin_content_security_policy(service):
+    import requests
+    reply = requests.get(service.url + "/", timeout=5)
+    assert reply.status_code == 200 and "<html" in reply.text.lower()
+    policy = reply.headers["Content-Security-Policy"]
+    assert "default-src 'self'" in policy and "unsafe" not in policy
+    assert reply.headers["X-Content-Type-Options"] == "nosniff"
