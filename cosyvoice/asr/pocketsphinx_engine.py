@@ -1,6 +1,6 @@
 """PocketSphinx engine with the US English model its PyPI wheel ships.
 
-An endpointer (PocketSphinx's VAD-based ``Endpointer``) splits the stream into
+An endpointer on PocketSphinx's voice activity detector (``endpointer.py``) splits the stream into
 utterances; the decoder sees only speech. Partials are sent when the hypothesis changes,
 a final at each endpoint, at ``flush`` and when an utterance reaches the length cap.
 
@@ -19,6 +19,7 @@ import re
 
 import pocketsphinx
 
+from .endpointer import Endpointer
 from .resample import StreamingResampler
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class PocketSphinxStream:
         self._ratio = s.endpoint_ratio
         self._max_utt_samples = int(s.max_utterance_s * MODEL_RATE)
         self._preroll = int(s.endpoint_preroll_s * MODEL_RATE)
-        # The endpointer reports a start up to one window late: keep that much and more.
+        # A start is called once most of a window is speech: keep a window and more.
         self._history_bytes = 2 * (self._preroll + int((self._window + 0.2) * MODEL_RATE))
         self._cmn = cp["cmn"]
         self._offset = int(cp["offset"])  # model-rate samples received since session start
@@ -106,8 +107,7 @@ class PocketSphinxStream:
                 "rate": self._rate}
 
     def _reset_front_end(self) -> None:
-        self._ep = pocketsphinx.Endpointer(window=self._window, ratio=self._ratio,
-                                           sample_rate=MODEL_RATE)
+        self._ep = Endpointer(window_s=self._window, ratio=self._ratio, sample_rate=MODEL_RATE)
         self._ep_base = self._offset
         self._buf = bytearray()
         self._ep_pos = 0  # samples the endpointer has seen since the reset
@@ -253,11 +253,8 @@ class PocketSphinxStream:
         speech = bytearray()
         final = self._consume_frames(speech)
         if final is None and self._ep.in_speech:
-            # end_stream releases the frames the endpointer still holds back; it needs
-            # a frame's worth of input at most and at least one sample.
             was_in_utt = self._in_utt
-            last = bytes(self._buf) or bytes(self._ep.frame_bytes)
-            tail = self._ep.end_stream(last) or b""
+            tail = self._ep.end_stream(bytes(self._buf)) or b""
             if tail and not was_in_utt:
                 speech += self._start_utterance()
             speech += tail
