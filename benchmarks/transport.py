@@ -12,7 +12,8 @@ same server stack (``benchmarks/echo_server.py``), and reports the gateway's CPU
 chunk as a multiple of that floor.
 
     python benchmarks/transport.py [--levels 100,200,400,800] [--seconds 60]
-        [--warmup 5] [--workers 1] [--no-echo] [--stock-echo] [--json-out FILE]
+        [--warmup 5] [--workers 1] [--gateway-processes N] [--no-echo] [--stock-echo]
+        [--json-out FILE]
 
 A level "holds" when every stream connected, no chunk was lost, no error event came and
 ack P99 < 100 ms; the report names the first level that does not.
@@ -176,7 +177,8 @@ async def main_async(args) -> dict:
     env = {"COSYVOICE_ENGINE": "null", "COSYVOICE_WORKER_CAPACITY": str(max(levels) + 100),
            "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
     report = {"machine": machine(), "args": vars(args), "results": []}
-    with Stack(processes=args.workers, env=env) as stack:
+    with Stack(processes=args.workers, env=env,
+               gateway_processes=args.gateway_processes) as stack:
         gw_meter = CpuMeter({"server": stack.gateway.pid, "redis": stack.redis.proc.pid,
                              "workers": stack.worker.pid})
         echo = start_echo(stock=False) if not args.no_echo else None
@@ -215,6 +217,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--workers", type=int, default=1, help="null-engine worker processes")
+    ap.add_argument("--gateway-processes", type=int, default=0,
+                    help="run the gateway under gunicorn with this many processes "
+                         "(0: one `cosyvoice gateway` process)")
     ap.add_argument("--no-echo", action="store_true", help="skip the echo comparison")
     ap.add_argument("--stock-echo", action="store_true",
                     help="also run the echo app with gevent-websocket's own unmasking")
