@@ -15,6 +15,7 @@ Locust's statistics get real latencies, type ``socketio``:
   (partials come only when the hypothesis changes, so not every chunk has one);
 * ``last->final``: the ``last`` chunk sent until the final result that covers it (or
   ``end``, when the transcript was already final before ``last``);
+* ``reconnect``: a dropped connection until the ``session`` event that resumes it;
 * failures: every ``error`` event (``error <code>``), a chunk never acknowledged
   (``ack``), no ``end`` in time (``last->final``), a refused or failed connection.
 
@@ -39,14 +40,15 @@ import time
 import gevent
 from locust import User, constant, events, task
 
-from cosyvoice.audio import read_wav
-from cosyvoice.client import StreamingClient, TranscribeError
+from cosyvoice.audio import read_wav, split_chunks
+from cosyvoice.client import NAMESPACE, StreamingClient, TranscribeError
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 REQUEST_TYPE = "socketio"
-# A chunk not acknowledged within this long counts as lost.
+# Slack for the last acks in a session's deadline. A chunk still unacknowledged when its
+# session ends counts as lost, reported as taking this long.
 ACK_TIMEOUT_S = 10.0
-# How long the final result may take after `last` is acknowledged.
+# How long the final result may take after `last` is acknowledged (also as reported).
 FINAL_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 GAP_S = 0.5  # silence between the utterances of one session
@@ -76,14 +78,26 @@ class LatencyProbe:
         self.unacked: set[int] = set()
         self.final_seen = False
         self.connecting = True
+        self.lost_at: float | None = None
 
     def sent(self, seq: int) -> None:
         self.unacked.add(seq)
 
+    def disconnected(self) -> None:
+        if not self.connecting:
+            self.lost_at = time.monotonic()
+
     def on_event(self, event: str, data: dict) -> None:
         now = time.monotonic()
         sent_at = self.client.sent_at
-        if event == "ack" and "error" not in data:
+        if event == "session" and self.lost_at is not None:
+            lost, self.lost_at = self.lost_at, None
+            if data.get("resumed"):
+                self.fire("reconnect", (now - lost) * 1000, 0, None)
+                # The server has every chunk before next_seq: those whose acks the drop
+                # swallowed are stored, not lost, and will not be sent again.
+                self.unacked = {seq for seq in self.unacked if seq >= data["next_seq"]}
+        elif event == "ack" and "error" not in data:
             seq = data.get("seq")
             if seq in self.unacked:
                 self.unacked.discard(seq)
@@ -124,6 +138,17 @@ class ProbedClient(StreamingClient):
         self.probe.sent(seq)
         return super().send(pcm, seq, **kwargs)
 
+    def _bind(self) -> None:
+        super()._bind()
+        handlers = self.sio.handlers[NAMESPACE]
+        lost = handlers["disconnect"]
+
+        def disconnect(*args):
+            self.probe.disconnected()
+            return lost(*args)
+
+        handlers["disconnect"] = disconnect
+
 
 class SpeechUser(User):
     """One microphone: a stream of real-time sessions, one after another."""
@@ -154,7 +179,7 @@ class SpeechUser(User):
     @task
     def stream_session(self) -> None:
         pcm = self._session_audio()
-        chunks = -(-len(pcm) // 6400)
+        chunks = len(split_chunks(pcm, 16000))
         client = ProbedClient(self.host, lambda c: LatencyProbe(c, chunks, self._fire),
                               sample_rate=16000, token=self.token)
         probe = client.probe

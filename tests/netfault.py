@@ -55,9 +55,9 @@ class CuttableProxy:
         for s in conns:
             try:
                 s.shutdown(socket.SHUT_RDWR)
-                s.close()
             except OSError:
-                pass
+                pass  # already shut down by its pump: it must still be closed
+            s.close()
 
     def close(self) -> None:
         self._closed = True
