@@ -31,7 +31,11 @@ def fixture_names() -> list[str]:
 
 
 class Stack:
-    def __init__(self, processes: int = 2, env: dict | None = None, gateway: bool = True):
+    """``gateway_processes`` > 0 runs the gateway under gunicorn's GeventWebSocketWorker
+    with that many processes (the production server); 0 runs ``cosyvoice gateway``."""
+
+    def __init__(self, processes: int = 2, env: dict | None = None, gateway: bool = True,
+                 gateway_processes: int = 0):
         self.redis = EmbeddedRedis().start()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -39,7 +43,15 @@ class Stack:
                     "COSYVOICE_PORT": str(self.port), "COSYVOICE_LOG_LEVEL": "WARNING",
                     **(env or {})}
         self.procs: list[subprocess.Popen] = []
-        if gateway:
+        if gateway and gateway_processes > 0:
+            self.gateway = self._spawn_command([
+                sys.executable, "-m", "gunicorn", "--no-control-socket",
+                "-k", "geventwebsocket.gunicorn.workers.GeventWebSocketWorker",
+                "-w", str(gateway_processes), "--worker-connections", "4000",
+                "-b", f"127.0.0.1:{self.port}", "--log-level", "warning",
+                "cosyvoice.webui:app"])
+            self._wait_http(self.url + "/healthz")
+        elif gateway:
             self.gateway = self._spawn(["gateway"])
             self._wait_http(self.url + "/healthz")
         self.worker = self._spawn(["worker", "--processes", str(processes)])
@@ -47,8 +59,10 @@ class Stack:
         self._wait(lambda: len(busmod.Bus(self.client).live_workers()) >= processes)
 
     def _spawn(self, args):
-        proc = subprocess.Popen([sys.executable, "-m", "cosyvoice", *args], env=self.env,
-                                cwd=ROOT, start_new_session=True)
+        return self._spawn_command([sys.executable, "-m", "cosyvoice", *args])
+
+    def _spawn_command(self, command):
+        proc = subprocess.Popen(command, env=self.env, cwd=ROOT, start_new_session=True)
         self.procs.append(proc)
         return proc
 

@@ -166,6 +166,24 @@ class Announcement:
     sid: str
 
 
+class _SingleWrite:
+    """Sends a packed command or pipeline in one write.
+
+    redis-py sends every argument over 6000 bytes (an audio chunk) as a write of its
+    own, three per appended chunk; each write on a TCP socket is a system call and
+    wakes Redis to parse a partial command.
+    """
+
+    def send_packed_command(self, command, check_health=True):
+        if isinstance(command, list) and len(command) > 1:
+            command = [b"".join(command)]
+        return super().send_packed_command(command, check_health)
+
+
+def _single_write(cls: type) -> type:
+    return type(f"SingleWrite{cls.__name__}", (_SingleWrite, cls), {})
+
+
 def connect(url: str, max_connections: int = 512, blocking: bool = True) -> redis.Redis:
     """A client whose pool waits for a free connection instead of failing at the cap."""
     pool_cls = redis.BlockingConnectionPool if blocking else redis.ConnectionPool
@@ -173,6 +191,7 @@ def connect(url: str, max_connections: int = 512, blocking: bool = True) -> redi
     if blocking:
         kwargs["timeout"] = 10
     pool = pool_cls.from_url(url, health_check_interval=30, **kwargs)
+    pool.connection_class = _single_write(pool.connection_class)
     return redis.Redis(connection_pool=pool)
 
 
@@ -242,14 +261,26 @@ class Bus:
 
         Returns one ``AppendResult`` or exception per item.
         """
-        pipe = self.r.pipeline(transaction=False)
-        for sid, seq, pb, rate, last in items:
-            self._append(keys=[session_key(sid), audio_key(sid)],
-                         args=[seq, pb, self.stream_maxlen, rate, 1 if last else 0],
-                         client=pipe)
-        replies = pipe.execute(raise_on_error=False)
+        replies = self._append_pipelined(items)
+        missing = [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
+        if missing:
+            # The server lost its script cache (restart, SCRIPT FLUSH): none of these
+            # ran. Load the script and run them again, in their order.
+            self._append.sha = self.r.script_load(self._append.script)
+            for i, reply in zip(missing, self._append_pipelined([items[i] for i in missing])):
+                replies[i] = reply
         return [r if isinstance(r, Exception) else AppendResult(int(r[0]), int(r[1]))
                 for r in replies]
+
+    def _append_pipelined(self, items: list[tuple[str, int, bytes, int, bool]]) -> list:
+        # EVALSHA by hand: a pipeline given Script objects first asks the server
+        # SCRIPT EXISTS, one more round trip before every batch of chunks is acked.
+        pipe = self.r.pipeline(transaction=False)
+        sha = self._append.sha
+        for sid, seq, pb, rate, last in items:
+            pipe.execute_command("EVALSHA", sha, 2, session_key(sid), audio_key(sid),
+                                 seq, pb, self.stream_maxlen, rate, 1 if last else 0)
+        return pipe.execute(raise_on_error=False)
 
     def session_info(self, sid: str) -> dict[str, str]:
         raw = self.r.hgetall(session_key(sid))

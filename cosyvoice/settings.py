@@ -34,9 +34,12 @@ class Settings:
     gateway_graceful_timeout_s: int = 10
     # ASR worker processes `serve` starts; 0 means one per core (decoding is CPU-bound).
     workers: int = 0
-    # Sessions one worker process decodes at once; PocketSphinx costs ~0.2 CPU-s per
-    # audio second, so 4 real-time sessions keep a process under one core.
-    worker_capacity: int = 4
+    # Sessions one worker process decodes at once, derived from the engine's measured
+    # cost (docs/benchmarks.md, "Worker capacity"): PocketSphinx needs about 0.16 CPU-s
+    # per audio second, and a process kept under 80 % of its core absorbs the ~0.15 s
+    # bursts of a final's search without partials passing 500 ms: floor(0.8 / 0.16) = 5.
+    # Admission control refuses sessions beyond it instead of letting latency grow.
+    worker_capacity: int = 5
     # Port on which `cosyvoice worker` serves its pool's Prometheus metrics (on
     # COSYVOICE_HOST); 0 turns it off, so several pools on one host never collide.
     worker_metrics_port: int = 0

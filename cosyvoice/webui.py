@@ -29,6 +29,7 @@ from gevent.queue import Queue
 from socketio.exceptions import ConnectionRefusedError as Refused
 
 from . import bus as busmod
+from . import fastws
 from . import tokens
 from .errors import (BadChunk, CosyvoiceError, Internal, Overloaded, RateLimited, SeqGap,
                      SessionExpired, Unavailable)
@@ -444,6 +445,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     where no worker runs and a blocking subscriber would stall the unpatched thread).
     """
     settings = settings or Settings.from_env()
+    fastws.install()
     app = Flask(__name__, static_folder=None)
     origins = [o.strip() for o in settings.allowed_origins.split(",") if o.strip()] or None
     socketio = SocketIO(

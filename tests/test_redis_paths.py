@@ -1,0 +1,66 @@
+"""The gateway's per-chunk Redis path: one round trip, one write, survives a lost script cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from cosyvoice import bus as busmod
+
+CHUNK = b"\x01\x02" * 3200 + b"\x00" * 30  # a 200 ms chunk's protobuf size
+
+
+@pytest.fixture
+def client(redis_server):
+    client = busmod.connect(redis_server.url, max_connections=1)
+    yield client
+    client.close()
+
+
+def watch_writes(client) -> list[int]:
+    """Sizes of the writes on the pool's one connection (the real socket does the I/O)."""
+    client.ping()
+    conn = client.connection_pool.get_connection()
+    real = conn._sock
+    writes: list[int] = []
+
+    class Watched:
+        def sendall(self, data):
+            writes.append(len(data))
+            return real.sendall(data)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    conn._sock = Watched()
+    client.connection_pool.release(conn)
+    return writes
+
+
+def test_a_batch_of_chunks_is_one_write_and_one_round_trip(client):
+    bus = busmod.Bus(client)
+    sids = [f"paths-{i}" for i in range(3)]
+    for sid in sids:
+        bus.create_session(sid, 16000)
+    bus.append_chunks([(sids[0], 0, CHUNK, 16000, False)])  # the script is cached now
+    writes = watch_writes(client)
+    replies = bus.append_chunks([(sid, 0, CHUNK, 16000, False) for sid in sids[1:]] +
+                                [(sids[0], 1, CHUNK, 16000, True)])
+    assert [r.status for r in replies] == [busmod.AppendStatus.APPENDED] * 3
+    assert len(writes) == 1 and writes[0] > 3 * len(CHUNK)
+    for sid in sids:
+        client.delete(*busmod.session_keys(sid))
+
+
+def test_appends_survive_a_flushed_script_cache(client):
+    bus = busmod.Bus(client)
+    bus.create_session("paths-flush", 16000)
+    assert bus.append_chunks([("paths-flush", 0, CHUNK, 16000, False)])[0].status == 0
+    client.script_flush()
+    replies = bus.append_chunks([("paths-flush", 1, CHUNK, 16000, False),
+                                 ("paths-flush", 2, CHUNK, 16000, False),
+                                 ("paths-flush", 2, CHUNK, 16000, False)])
+    assert [(r.status, r.next_seq) for r in replies] == [
+        (busmod.AppendStatus.APPENDED, 2), (busmod.AppendStatus.APPENDED, 3),
+        (busmod.AppendStatus.DUPLICATE, 3)]
+    assert client.xlen(busmod.audio_key("paths-flush")) == 3
+    client.delete(*busmod.session_keys("paths-flush"))
