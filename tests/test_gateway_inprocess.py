@@ -96,6 +96,26 @@ def test_bad_chunks_get_their_error_code(client, redis_client, payload, code):
     assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
 
 
+def test_an_unexpected_failure_in_the_chunk_handler_is_an_internal_error(
+        app, client, redis_client, monkeypatch):
+    """The chunk handler runs without Flask-SocketIO's error wrapper (it is registered
+    on python-socketio directly), so it reports its own failures."""
+    sid = session_of(client)["session"]
+    assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
+    gateway = app.extensions["cosyvoice"]
+
+    def broken(*args):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(gateway, "_store", broken)
+    assert send(client, encode_chunk(CHUNK, 1)) == {"error": "internal"}
+    assert [e["code"] for e in errors(client)] == ["internal"]
+    monkeypatch.undo()
+    # what was accepted stays, and the connection goes on
+    assert send(client, encode_chunk(CHUNK, 1)) == {"seq": 1}
+    assert redis_client.xlen(busmod.audio_key(sid)) == 2
+
+
 def test_seq_gap_names_the_expected_seq(client, redis_client):
     sid = session_of(client)["session"]
     assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
