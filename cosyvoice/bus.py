@@ -212,12 +212,12 @@ class Bus:
     # ---- gateway side -------------------------------------------------------------
 
     def create_session(self, sid: str, sample_rate: int, conn: str = "",
-                       client: str = "") -> None:
+                       client: str = "", mode: str = "") -> None:
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(session_key(sid), mapping={
             "rate": sample_rate, "start_rate": sample_rate, "next_seq": 0,
             "status": "active", "created_ms": int(time.time() * 1000), "conn": conn,
-            "client": client})
+            "client": client, "mode": mode})
         pipe.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN, approximate=True)
         announcement = pipe.execute()[1]
         self.r.hset(session_key(sid), "announcement", announcement)

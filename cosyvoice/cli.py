@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="client token when the service requires one (or COSYVOICE_TOKEN)")
     tr.add_argument("--insecure", action="store_true",
                     help="do not verify the server's TLS certificate")
+    tr.add_argument("--mode", choices=("pocketsphinx", "2pass", "whisper"), default=None,
+                    help="where finals come from (the server's engine decides what it offers)")
+    model = sub.add_parser("model", parents=[common],
+                           help="verify the Whisper model data and convert it once into the "
+                                "torch checkpoint the 2pass engine maps")
+    model.add_argument("--from", dest="source", default=None,
+                       help="an official openai-whisper checkpoint to use instead")
+    model.add_argument("--force", action="store_true", help="convert again")
     tok = sub.add_parser("token", parents=[common],
                          help="issue a signed client token (needs COSYVOICE_AUTH_SECRET)")
     tok.add_argument("--subject", default="client", help="who the token is for")
@@ -72,7 +80,27 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(_settings(args))
     if args.command == "token":
         return cmd_token(_settings(args), args.subject)
+    if args.command == "model":
+        return cmd_model(_settings(args), args.source, args.force)
     return cmd_transcribe(args)
+
+
+def cmd_model(settings: Settings, source: str | None, force: bool) -> int:
+    from . import model_data
+
+    source = source or settings.whisper_checkpoint or None
+    try:
+        ct2 = model_data.install_ct2(settings.model_dir or None)
+        print(f"CTranslate2 model (SHA-256 verified): {ct2}")
+        import torch
+        device = settings.whisper_device or ("cuda" if torch.cuda.is_available() else "cpu")
+        path = model_data.convert(settings.model_dir or None, source=source, device=device,
+                                  force=force)
+    except model_data.ModelDataError as exc:
+        print(f"cosyvoice model: {exc}", file=sys.stderr)
+        return 1
+    print(f"torch checkpoint: {path}")
+    return 0
 
 
 def cmd_token(settings: Settings, subject: str) -> int:
@@ -231,7 +259,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     try:
         result = transcribe_pcm(args.url, pcm, rate, pace=args.pace, on_event=show,
                                 timeout=args.timeout, token=args.token,
-                                ssl_verify=not args.insecure)
+                                ssl_verify=not args.insecure, mode=args.mode)
     except TranscribeError as exc:
         print(f"error {exc.code}: {exc.msg}", file=sys.stderr)
         return 1

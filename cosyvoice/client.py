@@ -68,8 +68,9 @@ class StreamingClient:
     def __init__(self, url: str, sample_rate: int = 16000,
                  on_event: Callable[[str, dict], None] | None = None,
                  headers: dict | None = None, reconnect: bool = True, token: str | None = None,
-                 ssl_verify: bool = True):
+                 ssl_verify: bool = True, mode: str | None = None):
         self.url = url
+        self.mode = mode
         self.sample_rate = sample_rate
         self.on_event = on_event
         self.headers = headers or {}
@@ -101,6 +102,8 @@ class StreamingClient:
         auth = {"sample_rate": self.sample_rate}
         if self.token:
             auth["token"] = self.token
+        if self.mode:
+            auth["mode"] = self.mode
         if self.result.session:
             auth["session"] = self.result.session
             if self._last_result:

@@ -47,6 +47,10 @@ class UnsupportedRate(CosyvoiceError):
     code = "unsupported_rate"
 
 
+class UnsupportedMode(CosyvoiceError):
+    code = "unsupported_mode"
+
+
 class RateLimited(CosyvoiceError):
     code = "rate_limited"
 

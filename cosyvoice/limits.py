@@ -7,14 +7,14 @@ import re
 import time
 from dataclasses import dataclass
 
-from .errors import CosyvoiceError, Unauthorized, UnsupportedRate
+from .errors import CosyvoiceError, Unauthorized, UnsupportedMode, UnsupportedRate
 from .protocol import SUPPORTED_RATES
 
 # Largest auth dict accepted, serialised as JSON.
 MAX_AUTH_BYTES = 4096
 _SESSION_ID = re.compile(r"^[0-9a-f]{24}$")
 _RESULT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
-_KNOWN_KEYS = {"token", "session", "last_result", "sample_rate", "network_hint"}
+_KNOWN_KEYS = {"token", "session", "last_result", "sample_rate", "network_hint", "mode"}
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,12 @@ class ConnectRequest:
     session: str | None = None
     last_result: str | None = None
     network_hint: dict | None = None
+    mode: str | None = None
 
 
-def parse_auth(auth) -> ConnectRequest:
-    """Validate the Socket.IO ``auth`` payload; raises ``Unauthorized`` or ``UnsupportedRate``.
+def parse_auth(auth, modes: tuple[str, ...] = ()) -> ConnectRequest:
+    """Validate the Socket.IO ``auth`` payload; raises ``Unauthorized``, ``UnsupportedRate``
+    or ``UnsupportedMode`` (a ``mode`` that is not one of ``modes``, the engine's offer).
 
     Unknown keys are ignored (newer clients may send more); known keys must have the
     documented types.
@@ -57,7 +59,10 @@ def parse_auth(auth) -> ConnectRequest:
     hint = auth.get("network_hint")
     if hint is not None and not isinstance(hint, dict):
         raise Unauthorized("network_hint must be an object")
-    return ConnectRequest(rate, token, session, last_result, hint)
+    mode = _optional_str(auth, "mode", 32)
+    if mode is not None and mode not in modes:
+        raise UnsupportedMode(f"mode must be one of {list(modes)} on this server")
+    return ConnectRequest(rate, token, session, last_result, hint, mode)
 
 
 def _optional_str(auth: dict, key: str, max_len: int) -> str | None:

@@ -43,8 +43,28 @@ class Settings:
     # Port on which `cosyvoice worker` serves its pool's Prometheus metrics (on
     # COSYVOICE_HOST); 0 turns it off, so several pools on one host never collide.
     worker_metrics_port: int = 0
-    # Recogniser engine: "pocketsphinx", or "null" (transport benchmarks only).
+    # Recogniser engine: "pocketsphinx"; "2pass" (PocketSphinx partials, Whisper finals;
+    # a session may also ask for "pocketsphinx" or "whisper" finals only); "whisper" (the
+    # same models, sessions default to Whisper finals without partials); or "null"
+    # (transport benchmarks only).
     engine: str = "pocketsphinx"
+    # Sessions per worker process when the engine is "2pass" or "whisper": a final costs
+    # about 0.3-0.4 CPU-s per audio second on top of PocketSphinx's 0.16, so one process
+    # holds one continuously speaking session under 80 % of its core (docs/benchmarks.md).
+    whisper_worker_capacity: int = 1
+    # Whisper backend for finals: "torch" (openai-whisper on the memory-mapped checkpoint)
+    # or "ctranslate2" (faster-whisper, int8).
+    whisper_backend: str = "torch"
+    # Threads each worker process gives Whisper: decoding runs one session at a time per
+    # process, and the processes already use every core.
+    whisper_threads: int = 1
+    # "cpu" or "cuda"; empty picks CUDA when torch sees a GPU.
+    whisper_device: str = ""
+    # An official openai-whisper checkpoint to use instead of the bundled model data.
+    whisper_checkpoint: str = ""
+    # Where converted model files are cached; empty means ~/.cache/cosyvoice/models
+    # (or COSYVOICE_MODEL_DIR, which this setting is).
+    model_dir: str = ""
     # Seconds a disconnected session's keys live, so a client can resume.
     session_grace_s: float = 30.0
     # Lease on a session: a dead worker's sessions are taken over after this.

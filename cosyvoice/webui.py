@@ -33,6 +33,7 @@ from . import fastws
 from . import tokens
 from .errors import (BadChunk, CosyvoiceError, Internal, Overloaded, RateLimited, SeqGap,
                      SessionExpired, Unavailable)
+from .asr import ENGINE_MODES
 from .limits import ConnectRequest, TokenBucket, parse_auth, result_id_key
 from .protocol import CHUNK_MS, SUPPORTED_RATES, Chunk, decode_chunk, max_payload_bytes
 from .settings import Settings
@@ -68,6 +69,7 @@ class Connection:
     next_seq: int = 0  # as the session was opened or resumed
     created: float = field(default_factory=time.time)  # wall clock, for max_session_s
     stopped: bool = False
+    mode: str = ""
 
 
 class ChunkWriter:
@@ -236,6 +238,8 @@ class Gateway:
         self.writer = ChunkWriter(self.bus)
         self.relay = ResultRelay(client, self.bus, socketio, start=relay_results)
         self.connections: dict[str, Connection] = {}
+        # Session modes the workers' engine offers (auth ``mode``); the first is the default.
+        self.modes = ENGINE_MODES.get(settings.engine, (settings.engine,))
         self._capacity = (0.0, 0)  # (read at, total capacity of live workers)
 
     def register(self) -> None:
@@ -287,7 +291,7 @@ class Gateway:
         """
         notices: list[CosyvoiceError] = []
         try:
-            req = parse_auth(auth)
+            req = parse_auth(auth, self.modes)
             if self.settings.auth_secret:
                 tokens.verify(self.settings.auth_secret, req.token, self.settings.token_ttl_s)
             conn = self._resume(req, notices) if req.session else None
@@ -313,7 +317,8 @@ class Gateway:
             self.socketio.emit("error", notice.to_wire(), **to)
         self.socketio.emit("session", {
             "session": conn.session, "resumed": resumed, "next_seq": conn.next_seq,
-            "sample_rate": conn.rate, "chunk_ms": CHUNK_MS, "limits": self._limits()}, **to)
+            "sample_rate": conn.rate, "chunk_ms": CHUNK_MS, "mode": conn.mode,
+            "limits": self._limits()}, **to)
         if resumed:
             try:
                 self.relay.replay(conn.session)
@@ -325,6 +330,7 @@ class Gateway:
             raise Overloaded("every ASR worker is busy; try again later",
                              retry_after_ms=self.settings.overload_retry_ms)
         rate = req.sample_rate or self.settings.default_sample_rate
+        mode = req.mode or self.modes[0]
         session = secrets.token_hex(12)
         client = request.remote_addr or ""
         if not self.bus.claim_client_slot(client, session, self.settings.max_sessions_per_client,
@@ -332,10 +338,10 @@ class Gateway:
             raise RateLimited(f"this address already holds "
                               f"{self.settings.max_sessions_per_client} sessions")
         conn = Connection(session=session, rate=rate, conn_id=request.sid, client=client,
-                          bucket=self._bucket())
+                          bucket=self._bucket(), mode=mode)
         self.relay.subscribe(session, request.sid)
         try:
-            self.bus.create_session(session, rate, conn=request.sid, client=client)
+            self.bus.create_session(session, rate, conn=request.sid, client=client, mode=mode)
         except redis.RedisError:
             self.relay.unsubscribe(session)
             self.bus.release_client_slot(client, session)
@@ -352,7 +358,8 @@ class Gateway:
         conn = Connection(session=req.session, rate=int(info.get("rate", 16000)),
                           conn_id=request.sid, client=info.get("client", ""),
                           bucket=self._bucket(), next_seq=int(info.get("next_seq", 0)),
-                          created=int(info.get("created_ms", 0)) / 1000 or time.time())
+                          created=int(info.get("created_ms", 0)) / 1000 or time.time(),
+                          mode=info.get("mode", self.modes[0]))
         self.bus.hold_client_slot(conn.client, conn.session,
                                   self.settings.max_session_s + self.settings.session_grace_s)
         self.relay.subscribe(conn.session, request.sid, after=req.last_result or "-")

@@ -178,7 +178,7 @@ class Worker:
             position, next_seq, rate = checkpoint["id"], checkpoint["seq"] + 1, checkpoint["rate"]
         else:
             rate = int(info["start_rate"])
-            stream = self.model.stream(rate)
+            stream = self.model.stream(rate, mode=info.get("mode") or None)
             position, next_seq = "0-0", 0
         self.sessions[ann.sid] = OwnedSession(ann.sid, ann.msg_id, stream, position,
                                               next_seq, rate)
@@ -269,6 +269,9 @@ class Worker:
 
 
 def _run_child(settings: Settings, model: Model) -> int:
+    after_fork = getattr(model, "after_fork", None)
+    if after_fork is not None:
+        after_fork()
     client = busmod.connect(settings.redis_url, max_connections=8, blocking=False)
     worker = Worker(settings, model, client)
     stops = {"n": 0}
@@ -294,6 +297,9 @@ def run_pool(settings: Settings, processes: int) -> int:
     Decoders are created here, before fork, so their model pages are shared between the
     worker processes. The first SIGTERM drains every worker; a second one kills them.
     """
+    if settings.engine in ("2pass", "whisper"):
+        # Whisper finals cost more than PocketSphinx's: admission counts them.
+        settings = settings.replace(worker_capacity=settings.whisper_worker_capacity)
     model = load_model(settings.engine, settings)
     model.preload(settings.worker_capacity)
     children: dict[int, int] = {}

@@ -33,10 +33,20 @@ class Model(Protocol):
 
     def preload(self, n: int) -> None: ...
 
-    def stream(self, sample_rate: int, checkpoint: dict | None = None) -> Stream: ...
+    def stream(self, sample_rate: int, checkpoint: dict | None = None,
+               mode: str | None = None) -> Stream: ...
+
+    # Optional: ``after_fork()`` runs in each worker process before it starts decoding.
 
 
-ENGINES = ("pocketsphinx", "null")
+ENGINES = ("pocketsphinx", "2pass", "whisper", "null")
+# The session modes each engine offers (auth ``mode``); the first is the default.
+ENGINE_MODES = {
+    "pocketsphinx": ("pocketsphinx",),
+    "2pass": ("2pass", "pocketsphinx", "whisper"),
+    "whisper": ("whisper", "2pass", "pocketsphinx"),
+    "null": ("null",),
+}
 
 
 def load_model(engine: str, settings) -> Model:
@@ -44,6 +54,9 @@ def load_model(engine: str, settings) -> Model:
     if engine == "pocketsphinx":
         from .pocketsphinx_engine import PocketSphinxModel
         return PocketSphinxModel(settings)
+    if engine in ("2pass", "whisper"):
+        from .whisper_engine import TwoPassModel
+        return TwoPassModel(settings, default_mode=engine)
     if engine == "null":
         from .null_engine import NullModel
         return NullModel()

@@ -37,5 +37,6 @@ class NullModel:
     def preload(self, n: int) -> None:
         pass
 
-    def stream(self, sample_rate: int, checkpoint: dict | None = None) -> NullStream:
+    def stream(self, sample_rate: int, checkpoint: dict | None = None,
+               mode: str | None = None) -> NullStream:
         return NullStream(sample_rate, checkpoint)

@@ -74,7 +74,8 @@ class PocketSphinxModel:
     def _give_back(self, decoder: pocketsphinx.Decoder) -> None:
         self._free.append(decoder)
 
-    def stream(self, sample_rate: int, checkpoint: dict | None = None) -> "PocketSphinxStream":
+    def stream(self, sample_rate: int, checkpoint: dict | None = None,
+               mode: str | None = None) -> "PocketSphinxStream":
         if checkpoint is None:
             cmn = NARROWBAND_INITIAL_CMN if sample_rate <= 8000 else self.initial_cmn
             checkpoint = {"cmn": cmn, "offset": 0, "utterance": 0, "rate": sample_rate}
@@ -97,6 +98,10 @@ class PocketSphinxStream:
         self._offset = int(cp["offset"])  # model-rate samples received since session start
         self._utt = int(cp["utterance"])
         self._rate = int(cp["rate"])
+        # 2-pass: keep each utterance's decoded audio for the second pass.
+        self.keep_audio = False
+        self._utt_pcm = bytearray()
+        self._finished_audio: dict[int, bytes] = {}
         self._reset_front_end()
 
     # ---- state ------------------------------------------------------------------------
@@ -195,6 +200,7 @@ class PocketSphinxStream:
         self._dec.reinit_feat()
         self._dec.set_cmn(self._cmn)
         self._dec.start_utt()
+        self._utt_pcm = bytearray()
         self._in_utt = True
         self._last_partial = ""
         start = int(round(self._ep.speech_start * MODEL_RATE))
@@ -206,6 +212,8 @@ class PocketSphinxStream:
     def _process(self, speech: bytearray) -> None:
         if speech:
             self._dec.process_raw(bytes(speech))
+            if self.keep_audio:
+                self._utt_pcm += speech
             speech.clear()
 
     # ---- output -----------------------------------------------------------------------
@@ -238,11 +246,18 @@ class PocketSphinxStream:
             })
         if not words and not self._last_partial:
             return []
+        if self.keep_audio:
+            self._finished_audio[self._utt] = bytes(self._utt_pcm)
+        self._utt_pcm = bytearray()
         final = {"type": "final", "text": " ".join(w["word"] for w in words),
                  "utterance": self._utt, "start": self._seconds(self._utt_start),
                  "end": self._seconds(end_sample), "words": words}
         self._utt += 1
         return [final]
+
+    def take_utterance_audio(self, utterance: int) -> bytes:
+        """The model-rate audio decoded for a finished utterance (``keep_audio``)."""
+        return self._finished_audio.pop(utterance, b"")
 
     def flush(self) -> list[dict]:
         """End of stream: decode what is buffered and return the last final."""

@@ -1,0 +1,248 @@
+"""2-pass recognition: PocketSphinx partials, Whisper finals.
+
+PocketSphinx (``pocketsphinx_engine.py``) still runs the endpointer and the streaming
+partials. When it closes an utterance (endpoint, length cap, or ``last``), the audio it
+decoded for that utterance (pre-roll included) is decoded again by Whisper base, and
+that text is the utterance's final, marked ``"engine": "whisper"``. A session chooses
+its mode at connect: ``pocketsphinx`` (finals from PocketSphinx), ``2pass`` or
+``whisper`` (Whisper finals only, no partials).
+
+Two backends decode the finals, on the same model data (``cosyvoice/model_data.py``):
+
+- ``torch``: openai-whisper's model and greedy decoding, with its own tiktoken
+  tokenizer. The checkpoint is loaded with ``torch.load(mmap=True)`` and
+  ``load_state_dict(assign=True)`` before the worker processes fork, so every worker
+  maps the same file pages, stored in the inference dtype (fp32 on CPU, fp16 on CUDA).
+- ``ctranslate2``: faster-whisper with int8 weights, loaded in each worker process
+  after the fork (CTranslate2 is not fork-safe), one thread each.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import warnings
+
+import numpy as np
+
+from .pocketsphinx_engine import MODEL_RATE, PocketSphinxModel, PocketSphinxStream
+
+log = logging.getLogger(__name__)
+
+MODES = ("pocketsphinx", "2pass", "whisper")
+BACKENDS = ("torch", "ctranslate2")
+# Silence added around an utterance before Whisper sees it: the endpointer cuts close to
+# the last word, and Whisper drops a final word that runs into the end of its input.
+PAD_S = 0.2
+# Whisper's own rule for a window with no speech (openai-whisper transcribe()).
+NO_SPEECH_PROB = 0.6
+NO_SPEECH_LOGPROB = -1.0
+
+
+def _float_audio(pcm: bytes) -> np.ndarray:
+    audio = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+    pad = np.zeros(int(PAD_S * MODEL_RATE), dtype=np.float32)
+    return np.concatenate([pad, audio, pad])
+
+
+class TorchWhisper:
+    """openai-whisper on a memory-mapped checkpoint."""
+
+    name = "torch"
+
+    def __init__(self, checkpoint: str, device: str | None = None, threads: int = 1):
+        import torch
+        import whisper
+        from whisper.model import ModelDimensions, Whisper
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.threads = threads
+        if self.device == "cpu":
+            torch.set_num_threads(threads)
+        ckpt = torch.load(checkpoint, map_location="cpu", mmap=self.device == "cpu",
+                          weights_only=True)
+        dims = ModelDimensions(**ckpt["dims"])
+        state = ckpt["model_state_dict"]
+        dtype = next(iter(state.values())).dtype
+        model = Whisper(dims)
+        # assign=True keeps the mapped tensors themselves as the parameters (the freshly
+        # initialised ones are freed): no private copy of the weights.
+        model.load_state_dict(state, assign=True, strict=True)
+        if self.device != "cpu":
+            model = model.to(self.device)
+        self.model = model.eval()
+        self.fp16 = dtype == torch.float16
+        self.checkpoint = checkpoint
+        self._whisper = whisper
+        self._torch = torch
+        # Build the tiktoken encoding now (cached for every decode): openai-whisper reads
+        # its vocabulary with an open() it never closes, so do it once, quietly.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            whisper.tokenizer.get_tokenizer(  # called exactly as decode() calls it
+                model.is_multilingual, num_languages=model.num_languages,
+                language="en", task="transcribe")
+            gc.collect()
+        self._options = whisper.DecodingOptions(
+            task="transcribe", language="en", temperature=0.0, without_timestamps=True,
+            fp16=self.fp16)
+
+    def after_fork(self) -> None:
+        if self.device == "cpu":
+            self._torch.set_num_threads(self.threads)
+
+    def mel(self, audio: np.ndarray):
+        w = self._whisper
+        mel = w.log_mel_spectrogram(self._torch.from_numpy(audio), self.model.dims.n_mels,
+                                    padding=w.audio.N_SAMPLES)
+        mel = w.pad_or_trim(mel[:, :w.audio.N_FRAMES], w.audio.N_FRAMES)
+        return mel.to(self.device, self._torch.float16 if self.fp16 else self._torch.float32)
+
+    def decode(self, audios: list[np.ndarray]) -> list[tuple[str, list[int]]]:
+        """Greedy decoding of a batch of ≤30 s clips: (text, tokens) each."""
+        torch = self._torch
+        with torch.inference_mode():
+            mels = torch.stack([self.mel(a) for a in audios])
+            results = self._whisper.decode(self.model, mels, self._options)
+        out = []
+        for r in results:
+            silent = (r.no_speech_prob > NO_SPEECH_PROB and r.avg_logprob < NO_SPEECH_LOGPROB)
+            out.append(("" if silent else r.text.strip(), list(r.tokens)))
+        return out
+
+
+class CT2Whisper:
+    """faster-whisper (CTranslate2), int8 on the CPU; loaded in each worker process."""
+
+    name = "ctranslate2"
+
+    def __init__(self, model_dir: str, compute_type: str = "int8", threads: int = 1,
+                 device: str = "cpu"):
+        self.model_dir = model_dir
+        self.compute_type = compute_type
+        self.threads = threads
+        self.device = device
+        self._model = None
+
+    def after_fork(self) -> None:
+        self._load()
+
+    def _load(self):
+        if self._model is None:
+            from faster_whisper import WhisperModel
+            self._model = WhisperModel(self.model_dir, device=self.device,
+                                       compute_type=self.compute_type,
+                                       cpu_threads=self.threads, num_workers=1)
+        return self._model
+
+    def decode(self, audios: list[np.ndarray]) -> list[tuple[str, list[int]]]:
+        model = self._load()
+        out = []
+        for audio in audios:
+            segments, _ = model.transcribe(
+                audio, language="en", task="transcribe", beam_size=1, temperature=0.0,
+                without_timestamps=True, condition_on_previous_text=False,
+                vad_filter=False, no_speech_threshold=NO_SPEECH_PROB,
+                log_prob_threshold=NO_SPEECH_LOGPROB)
+            texts, tokens = [], []
+            for seg in segments:
+                texts.append(seg.text.strip())
+                tokens += list(seg.tokens)
+            out.append((" ".join(t for t in texts if t), tokens))
+        return out
+
+
+def load_backend(settings, model_dir: str | None = None):
+    """The configured final decoder; converts the model data on first use."""
+    from .. import model_data
+
+    backend = settings.whisper_backend
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown whisper backend {backend!r}; choose one of {BACKENDS}")
+    mdir = model_dir or settings.model_dir or None
+    if backend == "ctranslate2":
+        return CT2Whisper(str(model_data.install_ct2(mdir)), threads=settings.whisper_threads)
+    import torch
+    device = settings.whisper_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if settings.whisper_checkpoint:
+        path = model_data.convert(mdir, source=settings.whisper_checkpoint, device=device)
+    else:
+        path = model_data.convert(mdir, device=device)
+    return TorchWhisper(str(path), device=device, threads=settings.whisper_threads)
+
+
+class TwoPassModel:
+    """PocketSphinx decoders plus one Whisper final decoder, shared by a worker's sessions."""
+
+    def __init__(self, settings, default_mode: str = "2pass", backend=None):
+        self.settings = settings
+        self.default_mode = default_mode
+        self.name = default_mode
+        self.ps = PocketSphinxModel(settings)
+        self.backend = backend or load_backend(settings)
+        self.decode_seconds = 0.0  # CPU seconds spent in Whisper, for benchmarks
+
+    def preload(self, n: int) -> None:
+        self.ps.preload(n)
+
+    def after_fork(self) -> None:
+        self.backend.after_fork()
+
+    def stream(self, sample_rate: int, checkpoint: dict | None = None,
+               mode: str | None = None) -> "TwoPassStream":
+        mode = (checkpoint or {}).get("mode") or mode or self.default_mode
+        if mode not in MODES:
+            mode = self.default_mode
+        ps_cp = None
+        if checkpoint is not None:
+            ps_cp = {k: v for k, v in checkpoint.items() if k != "mode"}
+        ps_stream = self.ps.stream(sample_rate, ps_cp)
+        ps_stream.keep_audio = mode != "pocketsphinx"
+        return TwoPassStream(self, ps_stream, mode)
+
+    def transcribe(self, pcm: bytes) -> str:
+        started = time.process_time()
+        text, _ = self.backend.decode([_float_audio(pcm)])[0]
+        self.decode_seconds += time.process_time() - started
+        return text
+
+
+class TwoPassStream:
+    def __init__(self, model: TwoPassModel, ps: PocketSphinxStream, mode: str):
+        self._model = model
+        self._ps = ps
+        self.mode = mode
+
+    @property
+    def checkpoint(self) -> dict:
+        return {**self._ps.checkpoint, "mode": self.mode}
+
+    def _second_pass(self, results: list[dict]) -> list[dict]:
+        if self.mode == "pocketsphinx":
+            for r in results:
+                if r["type"] == "final":
+                    r["engine"] = "pocketsphinx"
+            return results
+        out = []
+        for r in results:
+            if r["type"] == "partial":
+                if self.mode == "2pass":
+                    out.append(r)
+                continue
+            if r["type"] == "final":
+                audio = self._ps.take_utterance_audio(r["utterance"])
+                r = {**r, "text": self._model.transcribe(audio) if audio else "",
+                     "words": [], "engine": "whisper"}
+            out.append(r)
+        return out
+
+    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
+        return self._second_pass(self._ps.feed(pcm, sample_rate))
+
+    def flush(self) -> list[dict]:
+        return self._second_pass(self._ps.flush())
+
+    def close(self) -> None:
+        self._ps.close()
+
