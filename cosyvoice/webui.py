@@ -75,9 +75,10 @@ class Connection:
 class ChunkWriter:
     """Appends chunks to Redis from one greenlet, in arrival order, batched per round trip.
 
-    Handlers of one connection may run concurrently, but each puts its chunk on this
-    queue before it first yields, so chunks reach Redis in the order they arrived; the
-    append script then checks each seq atomically.
+    A connection's events are handled one after another in its reader greenlet
+    (``async_handlers=False``), and chunks of all connections meet on this queue, so
+    chunks reach Redis in the order they arrived; the append script then checks each
+    seq atomically.
     """
 
     def __init__(self, bus: busmod.Bus):
@@ -470,7 +471,11 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     socketio = SocketIO(
         app, async_mode="gevent", transports=["websocket"], always_connect=False,
         cors_allowed_origins=origins, max_http_buffer_size=max_payload_bytes(settings.max_chunk_ms) + 1024,
-        ping_interval=25, ping_timeout=20)
+        ping_interval=25, ping_timeout=20,
+        # Each connection's events run in order in its own reader greenlet instead of a
+        # new greenlet per event: ~10 % less gateway CPU per chunk (docs/benchmarks.md).
+        # The longest a handler waits is a Redis round trip, bounded by its timeout.
+        async_handlers=False)
     client = client or busmod.connect(settings.redis_url or "redis://127.0.0.1:6379/0",
                                       settings.redis_max_connections)
     gateway = Gateway(settings, socketio, client, relay_results)
