@@ -35,11 +35,11 @@ class Settings:
     # ASR worker processes `serve` starts; 0 means one per core (decoding is CPU-bound).
     workers: int = 0
     # Sessions one worker process decodes at once, derived from the engine's measured
-    # cost (docs/benchmarks.md, "Worker capacity"): PocketSphinx needs about 0.16 CPU-s
-    # per audio second, and a process kept under 80 % of its core absorbs the ~0.15 s
-    # bursts of a final's search without partials passing 500 ms: floor(0.8 / 0.16) = 5.
-    # Admission control refuses sessions beyond it instead of letting latency grow.
-    worker_capacity: int = 5
+    # cost (docs/benchmarks.md, "Worker capacity"): a PocketSphinx session costs its worker
+    # 0.10 of a core, and latency turns up past 0.6 of a core per process (finals miss
+    # 250 ms at 0.8): floor(0.65 / 0.10) = 6. Admission control refuses sessions beyond
+    # it instead of letting latency grow.
+    worker_capacity: int = 6
     # Port on which `cosyvoice worker` serves its pool's Prometheus metrics (on
     # COSYVOICE_HOST); 0 turns it off, so several pools on one host never collide.
     worker_metrics_port: int = 0

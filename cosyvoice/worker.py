@@ -256,6 +256,12 @@ class Worker:
             if not alive or msg.last:
                 self._finish(s)
                 return
+            # A Whisper final can take seconds: keep the leases fresh between entries.
+            if time.monotonic() >= self._next_renew:
+                self._renew()
+                self._next_renew = time.monotonic() + self.settings.lease_renew_ms / 1000
+                if sid not in self.sessions:
+                    return
 
     def _finish(self, s: OwnedSession) -> None:
         self.sessions.pop(s.sid, None)

@@ -181,9 +181,10 @@ def whisper_service(request, redis_server, artifacts, model_dir):
 
 
 def _run_all(url: str, mode: str) -> dict:
-    """Every fixture through the service in ``mode``, two at a time (one per worker)."""
+    """Every fixture through the service in ``mode``, two at a time (one per worker), sent
+    as fast as acks come back (real-time pacing is the benchmark's business)."""
     def run(name):
-        return name, transcribe_pcm(url, read_pcm(name), 16000, pace="realtime", mode=mode)
+        return name, transcribe_pcm(url, read_pcm(name), 16000, pace="fast", mode=mode)
 
     with ThreadPoolExecutor(2) as pool:
         return dict(pool.map(run, sorted(TEXTS)))
