@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from .settings import Settings
+from .settings import Settings, _parse
 
 
 def _settings_parser() -> argparse.ArgumentParser:
@@ -23,7 +23,8 @@ def _settings_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     group = parser.add_argument_group("settings (also COSYVOICE_<NAME> variables)")
     for f in dataclasses.fields(Settings):
-        kind = {"int": int, "float": float}.get(str(f.type), str)
+        kind = {"int": int, "float": float,
+                "bool": lambda raw, name=f.name: _parse(name, "bool", raw)}.get(str(f.type), str)
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind,
                            default=None, metavar=str(f.type).upper())
     return parser

