@@ -178,7 +178,8 @@ class Worker:
             position, next_seq, rate = checkpoint["id"], checkpoint["seq"] + 1, checkpoint["rate"]
         else:
             rate = int(info["start_rate"])
-            stream = self.model.stream(rate, mode=info.get("mode") or None)
+            mode = info.get("mode")
+            stream = self.model.stream(rate, mode=mode) if mode else self.model.stream(rate)
             position, next_seq = "0-0", 0
         self.sessions[ann.sid] = OwnedSession(ann.sid, ann.msg_id, stream, position,
                                               next_seq, rate)

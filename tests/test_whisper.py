@@ -15,6 +15,7 @@ import socketio
 from cosyvoice import model_data
 from cosyvoice.asr.whisper_engine import CT2Whisper, TorchWhisper, _float_audio
 from cosyvoice.client import transcribe_pcm
+from cosyvoice.embedded_redis import EmbeddedRedis
 
 from .conftest import start_service, stop_service
 from .helpers import FIXTURES, fixture_texts, read_pcm
@@ -168,9 +169,13 @@ BACKENDS = ("torch", "ctranslate2")
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def whisper_service(request, redis_server, artifacts, model_dir):
+def whisper_service(request, artifacts, model_dir):
+    """A 2pass service on a Redis of its own: workers take any session announced in
+    their Redis, so the PocketSphinx test service must not share it."""
     backend = request.param
-    svc = start_service(redis_server.url, artifacts, f"whisper-{backend}", processes=2,
+    server = EmbeddedRedis().start()
+    request.addfinalizer(server.stop)
+    svc = start_service(server.url, artifacts, f"whisper-{backend}", processes=2,
                         extra_env={"COSYVOICE_ENGINE": "2pass",
                                    "COSYVOICE_WHISPER_BACKEND": backend,
                                    "COSYVOICE_MODEL_DIR": str(model_dir),

@@ -182,8 +182,8 @@ class ExplodingModel:
     def preload(self, n):
         pass
 
-    def stream(self, sample_rate, checkpoint=None):
-        real = self.real.stream(sample_rate, checkpoint)
+    def stream(self, sample_rate, checkpoint=None, mode=None):
+        real = self.real.stream(sample_rate, checkpoint, mode=mode)
         model = self
 
         class Stream:
