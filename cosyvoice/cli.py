@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+from .asr import SESSION_MODES
 from .settings import Settings, _parse
 
 
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="client token when the service requires one (or COSYVOICE_TOKEN)")
     tr.add_argument("--insecure", action="store_true",
                     help="do not verify the server's TLS certificate")
-    tr.add_argument("--mode", choices=("pocketsphinx", "2pass", "whisper"), default=None,
+    tr.add_argument("--mode", choices=SESSION_MODES, default=None,
                     help="where finals come from (the server's engine decides what it offers)")
     model = sub.add_parser("model", parents=[common],
                            help="verify the Whisper model data and convert it once into the "
@@ -93,8 +94,7 @@ def cmd_model(settings: Settings, source: str | None, force: bool) -> int:
     try:
         ct2 = model_data.install_ct2(settings.model_dir or None)
         print(f"CTranslate2 model (SHA-256 verified): {ct2}")
-        import torch
-        device = settings.whisper_device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = model_data.resolve_device(settings.whisper_device)
         path = model_data.convert(settings.model_dir or None, source=source, device=device,
                                   force=force)
     except model_data.ModelDataError as exc:

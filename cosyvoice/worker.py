@@ -22,7 +22,7 @@ import redis
 
 from . import bus as busmod
 from . import debug_mem, metrics
-from .asr import Model, Stream, load_model
+from .asr import WHISPER_ENGINES, Model, Stream, load_model
 from .protocol import parse_stored
 from .settings import Settings
 
@@ -105,9 +105,7 @@ class Worker:
             time.sleep(self._last_round + pace - now)
             now = time.monotonic()
         self._last_round = now
-        if now >= self._next_renew:
-            self._renew()
-            self._next_renew = now + self.settings.lease_renew_ms / 1000
+        self._renew_if_due()
         if now >= self._next_sweep:
             self._next_sweep = now + SWEEP_INTERVAL_S
             self.sweep()
@@ -146,6 +144,12 @@ class Worker:
 
     # ---- ownership --------------------------------------------------------------------
 
+    def _renew_if_due(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_renew:
+            self._renew()
+            self._next_renew = now + self.settings.lease_renew_ms / 1000
+
     def _renew(self) -> None:
         sids = list(self.sessions)
         for sid, status in self.bus.renew_leases(sids, self.id, self.settings.lease_ttl_ms).items():
@@ -178,8 +182,7 @@ class Worker:
             position, next_seq, rate = checkpoint["id"], checkpoint["seq"] + 1, checkpoint["rate"]
         else:
             rate = int(info["start_rate"])
-            mode = info.get("mode")
-            stream = self.model.stream(rate, mode=mode) if mode else self.model.stream(rate)
+            stream = self.model.stream(rate, mode=info.get("mode") or None)
             position, next_seq = "0-0", 0
         self.sessions[ann.sid] = OwnedSession(ann.sid, ann.msg_id, stream, position,
                                               next_seq, rate)
@@ -258,11 +261,9 @@ class Worker:
                 self._finish(s)
                 return
             # A Whisper final can take seconds: keep the leases fresh between entries.
-            if time.monotonic() >= self._next_renew:
-                self._renew()
-                self._next_renew = time.monotonic() + self.settings.lease_renew_ms / 1000
-                if sid not in self.sessions:
-                    return
+            self._renew_if_due()
+            if sid not in self.sessions:
+                return
 
     def _finish(self, s: OwnedSession) -> None:
         self.sessions.pop(s.sid, None)
@@ -304,7 +305,7 @@ def run_pool(settings: Settings, processes: int) -> int:
     Decoders are created here, before fork, so their model pages are shared between the
     worker processes. The first SIGTERM drains every worker; a second one kills them.
     """
-    if settings.engine in ("2pass", "whisper"):
+    if settings.engine in WHISPER_ENGINES:
         # Whisper finals cost more than PocketSphinx's: admission counts them.
         settings = settings.replace(worker_capacity=settings.whisper_worker_capacity)
     model = load_model(settings.engine, settings)

@@ -40,7 +40,11 @@ class Model(Protocol):
 
 
 ENGINES = ("pocketsphinx", "2pass", "whisper", "null")
-# The session modes each engine offers (auth ``mode``); the first is the default.
+# Engines whose finals come from Whisper (cosyvoice/asr/whisper_engine.py).
+WHISPER_ENGINES = ("2pass", "whisper")
+# Where a session's finals come from (auth ``mode``).
+SESSION_MODES = ("pocketsphinx", "2pass", "whisper")
+# The session modes each engine offers; the first is the default.
 ENGINE_MODES = {
     "pocketsphinx": ("pocketsphinx",),
     "2pass": ("2pass", "pocketsphinx", "whisper"),
@@ -54,7 +58,7 @@ def load_model(engine: str, settings) -> Model:
     if engine == "pocketsphinx":
         from .pocketsphinx_engine import PocketSphinxModel
         return PocketSphinxModel(settings)
-    if engine in ("2pass", "whisper"):
+    if engine in WHISPER_ENGINES:
         from .whisper_engine import TwoPassModel
         return TwoPassModel(settings, default_mode=engine)
     if engine == "null":

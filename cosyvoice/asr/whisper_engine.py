@@ -20,17 +20,13 @@ Two backends decode the finals, on the same model data (``cosyvoice/model_data.p
 from __future__ import annotations
 
 import gc
-import logging
-import time
 import warnings
 
 import numpy as np
 
+from . import SESSION_MODES
 from .pocketsphinx_engine import MODEL_RATE, PocketSphinxModel, PocketSphinxStream
 
-log = logging.getLogger(__name__)
-
-MODES = ("pocketsphinx", "2pass", "whisper")
 BACKENDS = ("torch", "ctranslate2")
 # Silence added around an utterance before Whisper sees it: the endpointer cuts close to
 # the last word, and Whisper drops a final word that runs into the end of its input.
@@ -167,22 +163,18 @@ class CT2Whisper:
         return out
 
 
-def load_backend(settings, model_dir: str | None = None):
+def load_backend(settings):
     """The configured final decoder; converts the model data on first use."""
     from .. import model_data
 
     backend = settings.whisper_backend
     if backend not in BACKENDS:
         raise ValueError(f"unknown whisper backend {backend!r}; choose one of {BACKENDS}")
-    mdir = model_dir or settings.model_dir or None
+    mdir = settings.model_dir or None
     if backend == "ctranslate2":
         return CT2Whisper(str(model_data.install_ct2(mdir)), threads=settings.whisper_threads)
-    import torch
-    device = settings.whisper_device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if settings.whisper_checkpoint:
-        path = model_data.convert(mdir, source=settings.whisper_checkpoint, device=device)
-    else:
-        path = model_data.convert(mdir, device=device)
+    device = model_data.resolve_device(settings.whisper_device)
+    path = model_data.convert(mdir, source=settings.whisper_checkpoint or None, device=device)
     return TorchWhisper(str(path), device=device, threads=settings.whisper_threads,
                         cpu_bf16=settings.whisper_cpu_bf16)
 
@@ -196,7 +188,6 @@ class TwoPassModel:
         self.name = default_mode
         self.ps = PocketSphinxModel(settings)
         self.backend = backend or load_backend(settings)
-        self.decode_seconds = 0.0  # CPU seconds spent in Whisper, for benchmarks
 
     def preload(self, n: int) -> None:
         self.ps.preload(n)
@@ -207,7 +198,7 @@ class TwoPassModel:
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
                mode: str | None = None) -> "TwoPassStream":
         mode = (checkpoint or {}).get("mode") or mode or self.default_mode
-        if mode not in MODES:
+        if mode not in SESSION_MODES:
             mode = self.default_mode
         ps_cp = None
         if checkpoint is not None:
@@ -217,10 +208,7 @@ class TwoPassModel:
         return TwoPassStream(self, ps_stream, mode)
 
     def transcribe(self, pcm: bytes) -> str:
-        started = time.process_time()
-        text, _ = self.backend.decode([_float_audio(pcm)])[0]
-        self.decode_seconds += time.process_time() - started
-        return text
+        return self.backend.decode([_float_audio(pcm)])[0][0]
 
 
 class TwoPassStream:
