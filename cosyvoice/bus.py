@@ -1,7 +1,7 @@
 """Every Redis key and command cosyvoice uses.
 
 All keys of one session share the hash tag ``{SID}`` so the layout runs unchanged on
-Redis Cluster. Multi-step updates are Lua scripts, so each is one atomic round trip.
+Redis Cluster. Updates that must be atomic are Lua scripts, each one round trip.
 """
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ import redis
 SESSIONS = "sessions"
 WORKER_GROUP = "workers"
 WORKERS = "workers"
+WORKER_CAPACITY = "worker_capacity"
+# A live worker's entry in WORKERS is dropped this long after its heartbeat lapsed.
+WORKER_FORGET_MS = 60_000
+# The keys the admission and placement scripts read, in their order.
+CONTROL_KEYS = [SESSIONS, WORKERS, WORKER_CAPACITY]
 # The announcement stream keeps this many entries (each is a few dozen bytes).
 SESSIONS_MAXLEN = 10000
 
@@ -34,10 +39,6 @@ def session_key(sid: str) -> str:
 
 def lease_key(sid: str) -> str:
     return f"lease:{{{sid}}}"
-
-
-def worker_key(worker_id: str) -> str:
-    return f"worker:{worker_id}"
 
 
 def client_key(address: str) -> str:
@@ -145,6 +146,165 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# ---- the control plane: live workers, admission, placement -------------------------------
+# These scripts take KEYS sessions, workers, worker_capacity, in that order. Liveness is
+# judged by Redis's own clock (TIME), so hosts whose clocks differ agree on it. A worker's
+# load is the number of announcements pending with it in the consumer group: it owns a
+# session exactly while it holds that session's announcement, so the count changes in the
+# same step as the ownership (XREADGROUP, XCLAIM, XACK) and is never stale.
+_WORKERS_PRELUDE = """
+local G = 'workers'
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function live_workers(now)
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')
+  local caps = {}
+  if #ids > 0 then caps = redis.call('HMGET', KEYS[3], unpack(ids)) end
+  for i = 1, #ids do caps[i] = tonumber(caps[i]) or 0 end
+  return ids, caps
+end
+local function loads()
+  local out = {}
+  local p = redis.pcall('XPENDING', KEYS[1], G)
+  if type(p) == 'table' and not p.err and type(p[4]) == 'table' then
+    for _, c in ipairs(p[4]) do out[c[1]] = tonumber(c[2]) end
+  end
+  return out
+end
+"""
+
+# The live workers: {id, capacity, load} flattened.
+_LIVE_WORKERS = _WORKERS_PRELUDE + """
+local ids, caps = live_workers(now_ms())
+local load = loads()
+local out = {}
+for i, id in ipairs(ids) do
+  out[#out + 1] = id; out[#out + 1] = caps[i]; out[#out + 1] = load[id] or 0
+end
+return out
+"""
+
+# Admission: announce the session only while the open sessions (announced and not ended)
+# are fewer than the live workers' capacity, in one atomic step, so concurrent connects
+# on any number of gateways never exceed it. ARGV: session id, stream maxlen.
+# Returns {1, announcement id, capacity} or {0, open sessions, capacity}.
+_ADMIT = _WORKERS_PRELUDE + """
+local _, caps = live_workers(now_ms())
+local capacity = 0
+for _, c in ipairs(caps) do capacity = capacity + c end
+local open = redis.call('XLEN', KEYS[1])
+if open >= capacity then return {0, open, capacity} end
+local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'sid', ARGV[1])
+return {1, id, capacity}
+"""
+
+# Placement: a worker takes sessions only while no other live worker with room is less
+# loaded (load / capacity; ties take), one announcement at a time, so sessions spread
+# evenly whether they come one by one or in a burst, from any number of gateways.
+# Sessions whose owner died (pending, idle past ARGV[4] ms; 0 skips the check) come
+# before new ones. A worker that is not the least loaded still takes an announcement
+# that has waited ARGV[5] ms (or an orphan idle that much longer): the least loaded one
+# may be busy with a long final, or dead with its heartbeat not yet lapsed.
+# ARGV: worker id, its capacity, most sessions to take, orphan idle ms, defer ms.
+# Returns {newest announcement id, {id, sid}, ...}.
+_PLACE = _WORKERS_PRELUDE + """
+local me, mycap = ARGV[1], tonumber(ARGV[2])
+local free, orphan_ms, defer_ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local now = now_ms()
+local ids, caps = live_workers(now)
+local load = loads()
+local mine = load[me] or 0
+local best_l, best_c
+for i, id in ipairs(ids) do
+  local c, l = caps[i], load[id] or 0
+  if id ~= me and c > 0 and l < c and (best_l == nil or l * best_c < best_l * c) then
+    best_l, best_c = l, c
+  end
+end
+local function least()
+  return best_l == nil or mine * best_c <= best_l * mycap
+end
+local function undelivered_age()
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == G then
+      local e = redis.call('XRANGE', KEYS[1], '(' .. info['last-delivered-id'], '+', 'COUNT', 1)
+      if #e == 0 then return -1 end
+      return now - tonumber(string.match(e[1][1], '^(%d+)'))
+    end
+  end
+  return -1
+end
+local out = {}
+while #out < free and mine < mycap do
+  local first = least()
+  local got = {}
+  if orphan_ms > 0 then
+    local idle = orphan_ms + (first and 0 or defer_ms)
+    for _, p in ipairs(redis.call('XPENDING', KEYS[1], G, 'IDLE', idle, '-', '+', 10)) do
+      if p[2] ~= me then
+        got = redis.call('XCLAIM', KEYS[1], G, me, idle, p[1])
+        break
+      end
+    end
+  end
+  if #got == 0 and (first or undelivered_age() >= defer_ms) then
+    local r = redis.call('XREADGROUP', 'GROUP', G, me, 'COUNT', 1, 'STREAMS', KEYS[1], '>')
+    if r then got = r[1][2] end
+  end
+  if #got == 0 then break end
+  local e = got[1]
+  if e[2] then
+    out[#out + 1] = {e[1], e[2][2]}
+    mine = mine + 1
+  else
+    redis.call('XACK', KEYS[1], G, e[1])  -- trimmed from the stream: nothing to own
+  end
+end
+local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+table.insert(out, 1, newest[1] and newest[1][1] or '0-0')
+return out
+"""
+
+# Heartbeat: the worker is live until ARGV[3] ms from now with capacity ARGV[2]; workers
+# whose heartbeat lapsed long ago are forgotten. KEYS: workers, worker_capacity.
+_HEARTBEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[4]))
+if #gone > 0 then
+  redis.call('ZREM', KEYS[1], unpack(gone))
+  redis.call('HDEL', KEYS[2], unpack(gone))
+end
+return 1
+"""
+
+# Deletes the named consumers from the group, each only while it holds no announcement
+# (deleting one that does would drop those from the pending list, where nobody could take
+# them over). KEYS: sessions. ARGV: consumer names. Returns how many were deleted.
+_FORGET_CONSUMERS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local ok, consumers = pcall(redis.call, 'XINFO', 'CONSUMERS', KEYS[1], 'workers')
+if not ok then return 0 end
+local named = {}
+for i = 1, #ARGV do named[ARGV[i]] = true end
+local n = 0
+for _, c in ipairs(consumers) do
+  local info = {}
+  for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
+  if named[info['name']] and tonumber(info['pending']) == 0 then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], 'workers', info['name'])
+    n = n + 1
+  end
+end
+return n
+"""
+
 
 class AppendStatus:
     APPENDED = 0
@@ -158,6 +318,16 @@ class AppendStatus:
 class AppendResult:
     status: int
     next_seq: int
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The outcome of ``Bus.admit``: the announcement, or how full the service was."""
+
+    admitted: bool
+    announcement: str | None
+    open_sessions: int | None
+    capacity: int
 
 
 @dataclass(frozen=True)
@@ -208,19 +378,39 @@ class Bus:
         self._resume = client.register_script(_RESUME)
         self._release_conn = client.register_script(_RELEASE_CONN)
         self._slot = client.register_script(_SLOT)
+        self._live = client.register_script(_LIVE_WORKERS)
+        self._admit = client.register_script(_ADMIT)
+        self._place = client.register_script(_PLACE)
+        self._heartbeat = client.register_script(_HEARTBEAT)
+        self._forget = client.register_script(_FORGET_CONSUMERS)
 
     # ---- gateway side -------------------------------------------------------------
 
     def create_session(self, sid: str, sample_rate: int, conn: str = "",
                        client: str = "", mode: str = "") -> None:
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hset(session_key(sid), mapping={
+        """Write the session's hash; no worker hears of it until it is admitted."""
+        self.r.hset(session_key(sid), mapping={
             "rate": sample_rate, "start_rate": sample_rate, "next_seq": 0,
             "status": "active", "created_ms": int(time.time() * 1000), "conn": conn,
             "client": client, "mode": mode})
-        pipe.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN, approximate=True)
-        announcement = pipe.execute()[1]
+
+    def admit(self, sid: str) -> Admission:
+        """Announce a created session if the live workers have room for it, atomically
+        (see ``_ADMIT``). The hash is written first, so no worker can see an
+        announcement whose session does not exist yet."""
+        reply = self._admit(keys=CONTROL_KEYS, args=[sid, SESSIONS_MAXLEN])
+        if int(reply[0]) != 1:
+            return Admission(False, None, int(reply[1]), int(reply[2]))
+        announcement = reply[1].decode()
         self.r.hset(session_key(sid), "announcement", announcement)
+        return Admission(True, announcement, None, int(reply[2]))
+
+    def announce(self, sid: str) -> str:
+        """Announce a session whatever the capacity: a hand-over, or a test's setup."""
+        announcement = self.r.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN,
+                                   approximate=True).decode()
+        self.r.hset(session_key(sid), "announcement", announcement)
+        return announcement
 
     def open_sessions(self) -> int:
         """Sessions announced and not yet ended (claimed or waiting for a worker)."""
@@ -304,19 +494,11 @@ class Bus:
                 for mid, fields in self.r.xrange(text_key(sid), start, "+", count=count)]
 
     def live_workers(self) -> list[dict]:
-        """Workers whose heartbeat has not lapsed, with their load and capacity."""
-        now_ms = int(time.time() * 1000)
-        ids = [i.decode() for i in self.r.zrangebyscore(WORKERS, now_ms, "+inf")]
-        if not ids:
-            return []
-        pipe = self.r.pipeline(transaction=False)
-        for wid in ids:
-            pipe.hgetall(worker_key(wid))
-        out = []
-        for wid, info in zip(ids, pipe.execute()):
-            if info:
-                out.append({"id": wid, **{k.decode(): int(v) for k, v in info.items()}})
-        return out
+        """Workers whose heartbeat has not lapsed: ``{id, capacity, load}``, where load
+        is the number of sessions the worker owns (announcements pending with it)."""
+        flat = self._live(keys=CONTROL_KEYS)
+        return [{"id": flat[i].decode(), "capacity": int(flat[i + 1]), "load": int(flat[i + 2])}
+                for i in range(0, len(flat), 3)]
 
     # ---- worker side --------------------------------------------------------------
 
@@ -327,19 +509,20 @@ class Bus:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def claim_new(self, consumer: str, count: int, block_ms: int | None) -> list[Announcement]:
-        reply = self.r.xreadgroup(WORKER_GROUP, consumer, {SESSIONS: ">"}, count=count,
-                                  block=block_ms)
-        return [Announcement(mid.decode(), fields[b"sid"].decode())
-                for _stream, entries in (reply or []) for mid, fields in entries if fields]
+    def place(self, consumer: str, capacity: int, free: int, orphan_idle_ms: int,
+              defer_ms: int) -> tuple[str, list[Announcement]]:
+        """Take up to ``free`` sessions if this worker is the least loaded (``_PLACE``):
+        those whose owner died (idle past ``orphan_idle_ms``; 0 skips them), then new
+        ones. Returns the newest announcement id too, for ``wait_announcement``."""
+        reply = self._place(keys=CONTROL_KEYS,
+                            args=[consumer, capacity, free, orphan_idle_ms, defer_ms])
+        return reply[0].decode(), [Announcement(mid.decode(), sid.decode())
+                                   for mid, sid in reply[1:]]
 
-    def claim_abandoned(self, consumer: str, min_idle_ms: int, count: int) -> list[Announcement]:
-        """Announcements whose consumer has not touched them for ``min_idle_ms``."""
-        reply = self.r.xautoclaim(SESSIONS, WORKER_GROUP, consumer, min_idle_ms,
-                                  start_id="0-0", count=count)
-        entries = reply[1] if reply else []
-        return [Announcement(mid.decode(), fields[b"sid"].decode())
-                for mid, fields in entries if fields]
+    def wait_announcement(self, after_id: str, block_ms: int) -> bool:
+        """Block until an announcement newer than ``after_id`` arrives (or the time is
+        up): how an idle worker hears of a new session without polling."""
+        return bool(self.r.xread({SESSIONS: after_id}, count=1, block=block_ms))
 
     def touch_announcements(self, consumer: str, msg_ids: list[str]) -> None:
         """Reset the idle time of announcements we own, so nobody claims them."""
@@ -354,11 +537,10 @@ class Bus:
 
     def reannounce(self, sid: str, old_msg_id: str) -> None:
         """Hand a session to the next free worker at once (graceful shutdown)."""
-        new_id = self.r.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN, approximate=True)
+        self.announce(sid)
         pipe = self.r.pipeline(transaction=False)
         pipe.xack(SESSIONS, WORKER_GROUP, old_msg_id)
         pipe.xdel(SESSIONS, old_msg_id)
-        pipe.hset(session_key(sid), "announcement", new_id)
         pipe.execute()
 
     def take_lease(self, sid: str, worker_id: str, ttl_ms: int) -> bool:
@@ -396,14 +578,10 @@ class Bus:
         return bool(self._publish(keys=[session_key(sid), text_key(sid), audio_key(sid)],
                                   args=args))
 
-    def heartbeat(self, worker_id: str, load: int, capacity: int, ttl_ms: int) -> None:
-        now_ms = int(time.time() * 1000)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hset(worker_key(worker_id), mapping={"load": load, "capacity": capacity})
-        pipe.pexpire(worker_key(worker_id), ttl_ms)
-        pipe.zadd(WORKERS, {worker_id: now_ms + ttl_ms})
-        pipe.zremrangebyscore(WORKERS, "-inf", now_ms - 60_000)
-        pipe.execute()
+    def heartbeat(self, worker_id: str, capacity: int, ttl_ms: int) -> None:
+        """The worker is live for ``ttl_ms`` more, with room for ``capacity`` sessions."""
+        self._heartbeat(keys=[WORKERS, WORKER_CAPACITY],
+                        args=[worker_id, capacity, ttl_ms, WORKER_FORGET_MS])
 
     # ---- sweeper ------------------------------------------------------------------------
 
@@ -444,7 +622,22 @@ class Bus:
         pipe.execute()
 
     def remove_worker(self, worker_id: str) -> None:
+        """A stopping worker leaves: no longer live, its consumer forgotten once empty."""
         pipe = self.r.pipeline(transaction=False)
         pipe.zrem(WORKERS, worker_id)
-        pipe.delete(worker_key(worker_id))
+        pipe.hdel(WORKER_CAPACITY, worker_id)
         pipe.execute()
+        self.forget_consumers([worker_id])
+
+    def dead_consumers(self) -> list[str]:
+        """Consumers of the group that are not live workers (killed or stopped ones)."""
+        try:
+            consumers = self.r.xinfo_consumers(SESSIONS, WORKER_GROUP)
+        except redis.ResponseError:
+            return []  # no stream or group yet
+        live = {w["id"] for w in self.live_workers()}
+        return [c["name"].decode() for c in consumers if c["name"].decode() not in live]
+
+    def forget_consumers(self, names: list[str]) -> int:
+        """Delete these consumers from the group, each only if it holds no announcement."""
+        return int(self._forget(keys=[SESSIONS], args=names)) if names else 0

@@ -23,14 +23,17 @@ def readiness(bus: busmod.Bus) -> tuple[bool, dict]:
     try:
         bus.r.ping()
         workers = bus.live_workers()
+        open_sessions = bus.open_sessions()
     except redis.RedisError as exc:
         return False, {"status": "unavailable", "reason": f"redis unreachable: {exc}"}
     if not workers:
         return False, {"status": "unavailable",
                        "reason": "no ASR worker has sent a heartbeat recently"}
+    # `capacity` and `open` are what admission compares: a new session is admitted
+    # while open < capacity.
     return True, {"status": "ready", "workers": len(workers),
-                  "capacity": sum(w.get("capacity", 0) for w in workers),
-                  "load": sum(w.get("load", 0) for w in workers)}
+                  "capacity": sum(w["capacity"] for w in workers),
+                  "load": sum(w["load"] for w in workers), "open": open_sessions}
 
 
 def install(app: Flask, gateway) -> None:

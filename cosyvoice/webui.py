@@ -53,8 +53,6 @@ CONTENT_SECURITY_POLICY = (
     "base-uri 'self'; form-action 'self'; frame-ancestors 'none'")
 # Cap of the pause between attempts to reach Redis again.
 MAX_BACKOFF_S = 2.0
-# How long the gateway trusts its reading of the workers' total capacity.
-CAPACITY_CACHE_S = 0.5
 
 
 @dataclass
@@ -241,7 +239,6 @@ class Gateway:
         self.connections: dict[str, Connection] = {}
         # Session modes the workers' engine offers (auth ``mode``); the first is the default.
         self.modes = ENGINE_MODES.get(settings.engine, (settings.engine,))
-        self._capacity = (0.0, 0)  # (read at, total capacity of live workers)
 
     def register(self) -> None:
         on = self.socketio.on
@@ -270,15 +267,6 @@ class Gateway:
     def _bucket(self) -> TokenBucket | None:
         s = self.settings
         return TokenBucket(s.rate_limit_factor, s.rate_limit_burst_s) if s.rate_limit_factor > 0 else None
-
-    def worker_capacity(self) -> int:
-        """Total sessions the live workers can decode, re-read at most every 0.5 s."""
-        read_at, total = self._capacity
-        now = gevent.get_hub().loop.now()
-        if now - read_at > CAPACITY_CACHE_S:
-            total = sum(w.get("capacity", 0) for w in self.bus.live_workers())
-            self._capacity = (now, total)
-        return total
 
     # ---- handlers ---------------------------------------------------------------------
 
@@ -327,9 +315,6 @@ class Gateway:
                 log.warning("replay of %s failed: %s", conn.session, exc)
 
     def _open(self, req: ConnectRequest) -> Connection:
-        if self.bus.open_sessions() >= self.worker_capacity():
-            raise Overloaded("every ASR worker is busy; try again later",
-                             retry_after_ms=self.settings.overload_retry_ms)
         rate = req.sample_rate or self.settings.default_sample_rate
         mode = req.mode or self.modes[0]
         session = secrets.token_hex(12)
@@ -338,17 +323,35 @@ class Gateway:
                                           self.settings.max_session_s + self.settings.session_grace_s):
             raise RateLimited(f"this address already holds "
                               f"{self.settings.max_sessions_per_client} sessions")
-        conn = Connection(session=session, rate=rate, conn_id=request.sid, client=client,
-                          bucket=self._bucket(), mode=mode)
-        self.relay.subscribe(session, request.sid)
         try:
             self.bus.create_session(session, rate, conn=request.sid, client=client, mode=mode)
+            admission = self.bus.admit(session)
+        except redis.RedisError:
+            self._discard(session, client)
+            raise
+        if not admission.admitted:
+            self._discard(session, client)
+            raise Overloaded("every ASR worker is busy; try again later",
+                             retry_after_ms=self.settings.overload_retry_ms)
+        # No result can come before the client's first chunk, which needs the session
+        # event that follows this handler.
+        try:
+            self.relay.subscribe(session, request.sid)
         except redis.RedisError:
             self.relay.unsubscribe(session)
-            self.bus.release_client_slot(client, session)
+            self._discard(session, client)
             raise
         log.info("session opened", extra={"session": session, "event": "connect"})
-        return conn
+        return Connection(session=session, rate=rate, conn_id=request.sid, client=client,
+                          bucket=self._bucket(), mode=mode)
+
+    def _discard(self, session: str, client: str) -> None:
+        """Undo a session that is not going ahead (best effort: Redis may be down)."""
+        try:
+            self.bus.delete_session(session)
+            self.bus.release_client_slot(client, session)
+        except redis.RedisError as exc:
+            log.warning("could not discard session %s: %s", session, exc)
 
     def _resume(self, req: ConnectRequest, notices: list) -> Connection | None:
         info = self.bus.resume_session(req.session, request.sid)

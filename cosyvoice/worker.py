@@ -32,8 +32,12 @@ log = logging.getLogger("cosyvoice.worker")
 READ_COUNT = 5
 # How long one XREAD waits for audio when the worker owns sessions.
 READ_BLOCK_MS = 50
-# How long XREADGROUP waits for a new session when the worker owns none.
+# How long a worker that owns no session waits for a new announcement per round.
 IDLE_BLOCK_MS = 500
+# Placement: a worker that is not the least loaded still takes a session that has waited
+# this long, since the least loaded one may be in a long final or dead with a fresh
+# heartbeat. Well above a healthy worker's round (50 ms plus its decoding).
+PLACEMENT_DEFER_MS = 1000
 # Every XREAD names each owned session, so its cost grows with their number while a round
 # may find a single new chunk. Rounds are paced to at least this long per owned session
 # (at most ROUND_PACE_MAX_S), so one round collects many chunks: nothing for a few
@@ -72,6 +76,7 @@ class Worker:
         self._next_autoclaim = 0.0
         self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S * 0.5
         self._last_round = 0.0
+        self._newest_announcement = "0-0"
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -111,20 +116,26 @@ class Worker:
             self.sweep()
         free = self.settings.worker_capacity - len(self.sessions)
         if free > 0 and self.accepting:
-            if now >= self._next_autoclaim:
-                self._next_autoclaim = now + self.settings.claim_interval_ms / 1000
-                for ann in self.bus.claim_abandoned(self.id, self.settings.lease_ttl_ms, free):
-                    self._adopt(ann)
-                free = self.settings.worker_capacity - len(self.sessions)
-            if free > 0:
-                block = None if self.sessions else IDLE_BLOCK_MS
-                for ann in self.bus.claim_new(self.id, free, block):
-                    self._adopt(ann)
+            self._claim(now, free)
         if self.sessions:
             positions = {sid: s.position for sid, s in self.sessions.items()}
             batch = self.bus.read_audio(positions, READ_COUNT, READ_BLOCK_MS)
             for sid, entries in batch.items():
                 self._decode_guarded(sid, entries)
+        elif self.accepting:
+            self.bus.wait_announcement(self._newest_announcement, IDLE_BLOCK_MS)
+
+    def _claim(self, now: float, free: int) -> None:
+        """Take the sessions placement gives this worker (``Bus.place``); sessions whose
+        owner died are looked for every ``claim_interval_ms``."""
+        orphan_idle_ms = 0
+        if now >= self._next_autoclaim:
+            self._next_autoclaim = now + self.settings.claim_interval_ms / 1000
+            orphan_idle_ms = self.settings.lease_ttl_ms
+        self._newest_announcement, claimed = self.bus.place(
+            self.id, self.settings.worker_capacity, free, orphan_idle_ms, PLACEMENT_DEFER_MS)
+        for ann in claimed:
+            self._adopt(ann)
 
     def _hand_over(self) -> None:
         """Release every session so another worker continues it from its checkpoint."""
@@ -163,8 +174,7 @@ class Worker:
             else:
                 log.warning("lost the lease of session %s", sid, extra={"session": sid})
         self.bus.touch_announcements(self.id, [s.announcement for s in self.sessions.values()])
-        self.bus.heartbeat(self.id, len(self.sessions), self.settings.worker_capacity,
-                           self.settings.lease_ttl_ms)
+        self.bus.heartbeat(self.id, self.settings.worker_capacity, self.settings.lease_ttl_ms)
         metrics.worker_load(len(self.sessions), self.settings.worker_capacity)
 
     def _adopt(self, ann: busmod.Announcement) -> None:
@@ -198,6 +208,9 @@ class Worker:
         """
         if not force and not self.bus.try_lock(SWEEP_LOCK, self.id, int(SWEEP_INTERVAL_S * 1000)):
             return 0
+        # Killed workers leave their consumers in the group; once their sessions were
+        # taken over they hold nothing and are only clutter in every placement's scan.
+        self.bus.forget_consumers(self.bus.dead_consumers())
         cutoff_ms = int((time.time() - self.settings.sweep_idle_s) * 1000)
         swept, after = 0, "-"
         while True:

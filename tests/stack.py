@@ -224,6 +224,7 @@ class Stream:
         self.errors: list[dict] = []
         self.ended = False
         self.refused = False  # the server closed the namespace
+        self.refusal: dict = {}  # the wire error of a refused connect
         self._acks: dict[int, object] = {}
         self._next_id = 0
         self.ws: websocket.WebSocket | None = None
@@ -238,7 +239,7 @@ class Stream:
         if not self._pump_until(lambda: self.session or self.errors or self.refused, timeout):
             raise ConnectionError("no session event")
         if not self.session:
-            raise ConnectionError(f"session refused: {self.errors}")
+            raise ConnectionError(f"session refused: {self.refusal or self.errors}")
         return self
 
     def _pump_until(self, done, timeout: float) -> bool:
@@ -267,8 +268,10 @@ class Stream:
         elif kind == "3":  # ack: <id>[args]
             split = rest.index("[")
             self._acks[int(rest[:split])] = json.loads(rest[split:])[0]
-        elif kind in "14":  # disconnect, or connect error
+        elif kind in "14":  # disconnect, or connect error {message, data: wire error}
             self.refused = True
+            if kind == "4" and rest:
+                self.refusal = json.loads(rest).get("data") or {}
 
     def _on_event(self, name: str, data) -> None:
         if name == "session":

@@ -31,7 +31,7 @@ def rds(module_redis):
     client = redis.Redis.from_url(module_redis.url)
     # Admission control needs worker capacity: this heartbeat stands in for a worker
     # (no worker decodes in these tests).
-    busmod.Bus(client).heartbeat("bad-input-stand-in", 0, 10**6, 600_000)
+    busmod.Bus(client).heartbeat("bad-input-stand-in", 10**6, 600_000)
     return client
 
 
@@ -116,13 +116,13 @@ def test_overloaded_when_no_capacity(module_redis, rds):
     bus = busmod.Bus(rds)
     bus.remove_worker("bad-input-stand-in")
     try:
-        bus.heartbeat("tiny-stand-in", 0, 0, 600_000)  # a live worker with no capacity
+        bus.heartbeat("tiny-stand-in", 0, 600_000)  # a live worker with no capacity
         c = connect(app)
         assert not c.is_connected(NAMESPACE)
         assert c.refusal["code"] == "overloaded" and c.refusal["retry_after_ms"] > 0
     finally:
         bus.remove_worker("tiny-stand-in")
-        bus.heartbeat("bad-input-stand-in", 0, 10**6, 600_000)
+        bus.heartbeat("bad-input-stand-in", 10**6, 600_000)
 
 
 def test_sessions_per_client_address_are_limited(module_redis, rds):

@@ -85,8 +85,10 @@ def test_the_sweeper_deletes_sessions_nobody_will_end(redis_server):
     bus = busmod.Bus(rds)
     # a session whose gateway died: no disconnect handler ever set its expiry
     bus.create_session("abandoned0000000000000000", 16000)
+    bus.announce("abandoned0000000000000000")
     bus.append_chunks([("abandoned0000000000000000", 0, encode_chunk(b"\0\0" * 3200, 0), 16000, False)])
     bus.create_session("fresh0000000000000000000", 16000)
+    bus.announce("fresh0000000000000000000")
     worker = Worker(Settings(redis_url=redis_server.url, sweep_idle_s=0.5),
                     load_model("null", Settings()), rds, worker_id="sweeper-test")
     import time

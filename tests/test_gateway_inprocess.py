@@ -29,7 +29,7 @@ def app(module_redis, redis_client):
     client = redis_client
     # Admission control needs worker capacity: this heartbeat stands in for a worker
     # (no worker decodes in these tests; it is removed afterwards).
-    busmod.Bus(client).heartbeat("inprocess-stand-in", 0, 100000, 600_000)
+    busmod.Bus(client).heartbeat("inprocess-stand-in", 100000, 600_000)
     settings = Settings(redis_url=module_redis.url, rate_limit_factor=0)
     yield create_app(settings, client, relay_results=False)
     busmod.Bus(client).remove_worker("inprocess-stand-in")

@@ -32,10 +32,10 @@ def rds():
     server.stop()
 
 
-def start_worker(server, artifacts, name, capacity=4, processes=1):
+def start_worker(server, artifacts, name, capacity=4, processes=1, extra_env=None):
     env = {"COSYVOICE_REDIS_URL": server.url, "COSYVOICE_WORKER_CAPACITY": str(capacity),
            "COSYVOICE_LEASE_TTL_MS": str(LEASE_MS), "COSYVOICE_LEASE_RENEW_MS": "200",
-           "COSYVOICE_CLAIM_INTERVAL_MS": "200"}
+           "COSYVOICE_CLAIM_INTERVAL_MS": "200", **(extra_env or {})}
     proc = spawn(["worker", "--processes", str(processes)], env, artifacts / f"{name}.log")
     client = redis.Redis.from_url(server.url)
     before = len(busmod.Bus(client).live_workers())
@@ -46,7 +46,10 @@ def start_worker(server, artifacts, name, capacity=4, processes=1):
 def write_session(bus: busmod.Bus, sid: str, pcm: bytes, upto: int | None = None,
                   start: int = 0, last: bool = True) -> int:
     if start == 0:
+        # Announced as a hand-over is, whatever the capacity: these tests control what
+        # the workers see, admission has its own tests.
         bus.create_session(sid, 16000)
+        bus.announce(sid)
     chunks = split_chunks(pcm, 16000)
     end = len(chunks) if upto is None else upto
     items = [(sid, seq, encode_chunk(chunks[seq], seq, last=last and seq == len(chunks) - 1),
