@@ -35,7 +35,8 @@ class Stack:
     with that many processes (the production server); 0 runs ``cosyvoice gateway``."""
 
     def __init__(self, processes: int = 2, env: dict | None = None, gateway: bool = True,
-                 gateway_processes: int = 0):
+                 gateway_processes: int = 0, root: Path = ROOT):
+        self.root = root  # the checkout whose cosyvoice runs (another one: a baseline)
         self.redis = EmbeddedRedis().start()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -62,7 +63,7 @@ class Stack:
         return self._spawn_command([sys.executable, "-m", "cosyvoice", *args])
 
     def _spawn_command(self, command):
-        proc = subprocess.Popen(command, env=self.env, cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(command, env=self.env, cwd=self.root, start_new_session=True)
         self.procs.append(proc)
         return proc
 

@@ -47,6 +47,9 @@ class Transcript:
     partials: list[dict] = field(default_factory=list)
     finals: list[dict] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
+    # Connections the server refused (the wire error of each connect_error); an
+    # `overloaded` one is retried, and only the last refusal ends the stream.
+    refusals: list[dict] = field(default_factory=list)
     acks: list[dict] = field(default_factory=list)
     ended: bool = False
     resumes: int = 0
@@ -167,7 +170,7 @@ class StreamingClient:
             wire = data.get("data") if isinstance(data, dict) else None
             error = wire if isinstance(wire, dict) and "code" in wire else \
                 {"code": "internal", "msg": str(data)}
-            self.result.errors.append(error)
+            self.result.refusals.append(error)
             self._record("error", error)
             self._refused.set()
 
@@ -208,7 +211,7 @@ class StreamingClient:
                     raise TranscribeError("unavailable", f"cannot connect: {exc}") from exc
             if not self._refused.is_set() and self._ready.wait(timeout):
                 return self.session_info
-            refusal = self.result.errors[-1] if self._refused.is_set() else {}
+            refusal = self.result.refusals[-1] if self._refused.is_set() else {}
             self.close()
             if refusal.get("code") != "overloaded":
                 raise TranscribeError(refusal.get("code", "internal"),

@@ -14,13 +14,15 @@ from .netfault import CuttableProxy
 MEASURES = ("connect", "ack", "chunk->partial", "last->final")
 
 
-def locust(host: str, prefix: Path, seconds: int, users: int, utterances: int):
+def locust(host: str, prefix: Path, seconds: int, users: int, utterances: int,
+           python: str = sys.executable, env: dict | None = None):
+    """The README's headless command, from the checkout, with ``python``'s locust."""
     return subprocess.Popen(
-        [sys.executable, "-m", "locust", "-f", str(ROOT / "locustfile.py"), "--headless",
+        [python, "-m", "locust", "-f", str(ROOT / "locustfile.py"), "--headless",
          "--host", host, "-u", str(users), "-r", str(users), "-t", f"{seconds}s",
          "--stop-timeout", "30", "--utterances", str(utterances), "--csv", str(prefix),
          "--only-summary"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def stats(prefix: Path) -> dict[str, dict]:
