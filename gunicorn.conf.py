@@ -11,10 +11,16 @@ Metrics: every process writes its metrics to PROMETHEUS_MULTIPROC_DIR (a fresh t
 directory unless set), emptied when the instance starts; ``/metrics`` adds them up.
 """
 
-from cosyvoice import logs, metrics_dir
-from cosyvoice.settings import Settings
+import sys
 
-_settings = Settings.from_env()
+from cosyvoice import logs, metrics_dir
+from cosyvoice.settings import Settings, SettingsError
+
+try:
+    _settings = Settings.from_env()
+except SettingsError as _exc:  # one line and the usage status, as `cosyvoice` gives
+    print(f"gunicorn.conf.py: {_exc}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _address(host: str, port: int) -> str:

@@ -39,9 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.memory import pss_kb  # noqa: E402
 from benchmarks.stack import FIXTURES, Stack, percentile, read_fixture  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
+from cosyvoice.asr import WHISPER_BACKENDS as BACKENDS  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
 
-BACKENDS = ("torch", "ctranslate2")
 RATE = 16000
 
 

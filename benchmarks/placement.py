@@ -4,7 +4,11 @@ On a fresh stack (embedded Redis, gateway, ``--workers`` worker processes of
 ``COSYVOICE_WORKER_CAPACITY`` sessions, 6 by default), for each level K in ``--levels``,
 K clients run real-time PocketSphinx sessions back to back (one to three fixture
 utterances, ``last``, ``end``, ``stop``; ``benchmarks/capacity.py``'s client) for
-``--seconds``. Measured: ``last`` sent → the final covering it (or ``end``), chunk →
+``--seconds``. ``--tail gap`` ends each session's audio with 0.5 s of silence, as the
+capacity benchmark does (the endpointer often calls the final before ``last`` is sent);
+``--tail none`` ends it with the speech, so ``last`` itself ends the utterance and the
+final's decode is on the measured path, as for a user who stops recording when done
+speaking. Measured: ``last`` sent → the final covering it (or ``end``), chunk →
 partial, and every 0.25 s the sessions each worker process owns (the owners of the
 leases of the open sessions), reported as the largest and the mean difference between
 the busiest and the idlest process.
@@ -13,7 +17,14 @@ the busiest and the idlest process.
 another checkout (e.g. ``git worktree add /tmp/base <commit>``), so both are measured on
 the same machine in the same run and can be quoted as ratios.
 
+``--cost`` measures instead what admission and placement cost Redis, per call, with
+N live workers registered (heartbeats; no worker processes): ``admit`` per new session,
+``place`` when it takes a session, when it finds nothing (most rounds) and when its
+orphan check is due (once per worker per ``claim_interval_ms``), read from
+``INFO commandstats`` (Redis CPU only, not the round trip).
+
     python benchmarks/placement.py [--levels 1,6,12] [--seconds 60] [--baseline DIR]
+    python benchmarks/placement.py --cost [--workers-list 2,8,32,128]
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.capacity import Client, _dist  # noqa: E402
+from benchmarks.capacity import GAP, Client, _dist  # noqa: E402
 from benchmarks.stack import ROOT, Stack  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
 from cosyvoice import bus as busmod  # noqa: E402
@@ -57,7 +68,17 @@ class PlacementSampler(threading.Thread):
                 self.spreads.append(max(per_process) - min(per_process))
 
 
-def run_level(sessions: int, workers: int, seconds: float, root: Path) -> dict:
+class SpeechEndClient(Client):
+    """Sessions whose audio ends with the speech: ``last`` ends the utterance."""
+
+    def run(self) -> None:
+        while time.monotonic() < self.deadline:
+            picks = self.rng.sample(self.utterances, self.rng.randint(1, 3))
+            self._session(GAP.join(picks))
+
+
+def run_level(sessions: int, workers: int, seconds: float, root: Path,
+              tail: str = "none") -> dict:
     env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
     with Stack(processes=workers, env=env, root=root) as stack:
         meter = CpuMeter({"gateway": stack.gateway.pid, "workers": stack.worker.pid,
@@ -66,7 +87,8 @@ def run_level(sessions: int, workers: int, seconds: float, root: Path) -> dict:
         before = meter.sample()
         sampler.start()
         deadline = time.monotonic() + seconds
-        clients = [Client(stack.url, deadline, seed=k) for k in range(sessions)]
+        kind = SpeechEndClient if tail == "none" else Client
+        clients = [kind(stack.url, deadline, seed=k) for k in range(sessions)]
         for client in clients:  # all at once, as in a burst
             client.start()
         for client in clients:
@@ -79,6 +101,7 @@ def run_level(sessions: int, workers: int, seconds: float, root: Path) -> dict:
     spreads = sampler.spreads
     return {
         "code": "baseline" if root != ROOT else "this checkout", "sessions": sessions,
+        "tail": tail,
         "completed_sessions": sum(c.sessions for c in clients),
         "last_to_final_ms": _dist([x for c in clients for x in c.final_ms]),
         "partial_ms": _dist([x for c in clients for x in c.partial_ms]),
@@ -89,28 +112,102 @@ def run_level(sessions: int, workers: int, seconds: float, root: Path) -> dict:
     }
 
 
+def _script_usec(client) -> tuple[int, float]:
+    stats = client.info("commandstats").get("cmdstat_evalsha", {})
+    return int(stats.get("calls", 0)), float(stats.get("usec", 0))
+
+
+def _per_call(client, calls) -> float:
+    """Redis-side µs per call of the scripts ``calls`` runs."""
+    n0, u0 = _script_usec(client)
+    calls()
+    n1, u1 = _script_usec(client)
+    return round((u1 - u0) / max(1, n1 - n0), 1)
+
+
+def placement_cost(workers: int, capacity: int = 6) -> dict:
+    from cosyvoice.embedded_redis import EmbeddedRedis
+    import redis as redislib
+
+    server = EmbeddedRedis().start()
+    try:
+        client = redislib.Redis.from_url(server.url)
+        bus = busmod.Bus(client)
+        bus.ensure_group()
+        ids = [f"bench-worker-{i}" for i in range(workers)]
+        for wid in ids:
+            bus.heartbeat(wid, capacity, 600_000)
+        sessions = workers * capacity
+        sids = [f"bench-session-{i}" for i in range(sessions)]
+        for sid in sids:
+            bus.create_session(sid, 16000)
+        load = Counter()
+
+        def admit_all():
+            for sid in sids:
+                assert bus.admit(sid).admitted
+
+        def place_all():  # the least loaded worker takes each one, as in the service
+            for _ in sids:
+                wid = min(ids, key=lambda w: load[w])
+                _newest, got = bus.place(wid, capacity, capacity - load[wid], 0, 1000)
+                load[wid] += len(got)
+
+        admit = _per_call(client, admit_all)
+        take = _per_call(client, place_all)
+        assert sum(load.values()) == sessions
+        idle = _per_call(client, lambda: [bus.place(w, capacity, 1, 0, 1000) for w in ids * 5])
+        orphans = _per_call(client, lambda: [bus.place(w, capacity, 1, 5000, 1000)
+                                             for w in ids * 5])
+        return {"workers": workers, "sessions": sessions, "admit_us": admit,
+                "place_taking_us": take, "place_nothing_us": idle,
+                "place_orphan_check_us": orphans}
+    finally:
+        server.stop()
+
+
+def main_cost(workers_list: list[int]) -> None:
+    rows = [placement_cost(n) for n in workers_list]
+    print(json.dumps({"machine": machine(), "cost": rows}), file=sys.stderr)
+    print("| live workers | `admit` µs | `place` taking µs | `place` nothing new µs "
+          "| `place` with orphan check µs |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workers']} | {r['admit_us']} | {r['place_taking_us']} "
+              f"| {r['place_nothing_us']} | {r['place_orphan_check_us']} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--levels", default="1,6,12", help="concurrent sessions to run")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--baseline", type=Path, help="another checkout to measure alternately")
+    ap.add_argument("--tail", default="none,gap",
+                    help="how sessions end: none (with the speech), gap (0.5 s silence)")
     ap.add_argument("--json-out")
+    ap.add_argument("--cost", action="store_true",
+                    help="measure what admission and placement cost Redis per call")
+    ap.add_argument("--workers-list", default="2,8,32,128")
     args = ap.parse_args()
+    if args.cost:
+        return main_cost([int(x) for x in args.workers_list.split(",")])
     roots = [ROOT] + ([args.baseline.resolve()] if args.baseline else [])
     report = {"machine": machine(), "args": {**vars(args), "baseline": str(args.baseline)},
               "levels": []}
-    for k in (int(x) for x in args.levels.split(",")):
-        for root in roots:
-            level = run_level(k, args.workers, args.seconds, root)
-            report["levels"].append(level)
-            print(json.dumps(level), file=sys.stderr, flush=True)
-    print("| sessions | code | `last` → final P50 / P95 ms | partial P50 / P99 ms "
+    for tail in args.tail.split(","):
+        for k in (int(x) for x in args.levels.split(",")):
+            for root in roots:
+                level = run_level(k, args.workers, args.seconds, root, tail)
+                report["levels"].append(level)
+                print(json.dumps(level), file=sys.stderr, flush=True)
+    print("| audio ends | sessions | code | `last` → final P50 / P95 ms | partial P50 / P99 ms "
           "| spread max / mean | errors | worker cores |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for lv in report["levels"]:
         f, p, sp = lv["last_to_final_ms"], lv["partial_ms"], lv["placement_spread"]
-        print(f"| {lv['sessions']} | {lv['code']} | {f.get('p50')} / {f.get('p95')} "
+        print(f"| {'with speech' if lv['tail'] == 'none' else '0.5 s silence'} "
+              f"| {lv['sessions']} | {lv['code']} | {f.get('p50')} / {f.get('p95')} "
               f"| {p.get('p50')} / {p.get('p99')} | {sp['max']} / {sp['mean']} "
               f"| {lv['error_count']} | {lv['cpu_cores']['workers']} |")
     if args.json_out:

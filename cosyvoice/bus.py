@@ -213,6 +213,29 @@ _PLACE = _WORKERS_PRELUDE + """
 local me, mycap = ARGV[1], tonumber(ARGV[2])
 local free, orphan_ms, defer_ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = now_ms()
+local function newest()
+  local e = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+  return e[1] and e[1][1] or '0-0'
+end
+-- Age of the oldest announcement no worker has taken; -1: none; nil: no group.
+local function undelivered_age()
+  local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
+  if groups.err then return nil end
+  for _, g in ipairs(groups) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == G then
+      local e = redis.call('XRANGE', KEYS[1], '(' .. info['last-delivered-id'], '+', 'COUNT', 1)
+      if #e == 0 then return -1 end
+      return now - tonumber(string.match(e[1][1], '^(%d+)'))
+    end
+  end
+  return nil
+end
+local age = undelivered_age()
+if age == nil then return redis.error_reply('NOGROUP the workers group is gone') end
+-- Most rounds find nothing to place: answer those without reading every worker's load.
+if orphan_ms == 0 and age < 0 then return {newest()} end
 local ids, caps = live_workers(now)
 local load = loads()
 local mine = load[me] or 0
@@ -225,18 +248,6 @@ for i, id in ipairs(ids) do
 end
 local function least()
   return best_l == nil or mine * best_c <= best_l * mycap
-end
-local function undelivered_age()
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-    local info = {}
-    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-    if info['name'] == G then
-      local e = redis.call('XRANGE', KEYS[1], '(' .. info['last-delivered-id'], '+', 'COUNT', 1)
-      if #e == 0 then return -1 end
-      return now - tonumber(string.match(e[1][1], '^(%d+)'))
-    end
-  end
-  return -1
 end
 local out = {}
 while #out < free and mine < mycap do
@@ -251,7 +262,7 @@ while #out < free and mine < mycap do
       end
     end
   end
-  if #got == 0 and (first or undelivered_age() >= defer_ms) then
+  if #got == 0 and (first or (undelivered_age() or -1) >= defer_ms) then
     local r = redis.call('XREADGROUP', 'GROUP', G, me, 'COUNT', 1, 'STREAMS', KEYS[1], '>')
     if r then got = r[1][2] end
   end
@@ -264,8 +275,7 @@ while #out < free and mine < mycap do
     redis.call('XACK', KEYS[1], G, e[1])  -- trimmed from the stream: nothing to own
   end
 end
-local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-table.insert(out, 1, newest[1] and newest[1][1] or '0-0')
+table.insert(out, 1, newest())
 return out
 """
 

@@ -1,7 +1,10 @@
-"""The ``cosyvoice`` command: serve, gateway, worker, transcribe.
+"""The ``cosyvoice`` command: serve, gateway, worker, transcribe, model, token.
 
 Imports stay lazy: ``gateway`` must let gevent patch the standard library before redis
 or Flask are imported.
+
+Every failure ends with one line on stderr, ``cosyvoice COMMAND: what went wrong``, and
+one of the ``EXIT_*`` statuses below (the table in the README's "The command line").
 """
 
 from __future__ import annotations
@@ -14,9 +17,34 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from .asr import SESSION_MODES
-from .settings import Settings, _parse
+from .settings import Settings, SettingsError, _parse
+
+EXIT_OK = 0
+# The work failed once it had started: the stream ended with a server error or without
+# its end within --timeout; a process of `serve` exited; model data failed verification;
+# the gateway's port is taken.
+EXIT_FAILED = 1
+# A bad command line or setting (a flag, a COSYVOICE_* variable, a URL); argparse's own.
+EXIT_USAGE = 2
+# An input file that is missing, unreadable, or not audio cosyvoice reads.
+EXIT_INPUT = 3
+# No cosyvoice service answers at the URL, or the connection was lost and not restored.
+EXIT_UNREACHABLE = 4
+# The service refused the session (overloaded after the retries, unauthorized, ...).
+EXIT_REFUSED = 5
+# Stopped by Ctrl-C.
+EXIT_INTERRUPTED = 130
+
+
+class CliError(Exception):
+    """Ends a command with one line on stderr and ``status``."""
+
+    def __init__(self, status: int, msg: str):
+        super().__init__(msg)
+        self.status = status
 
 
 def _settings_parser() -> argparse.ArgumentParser:
@@ -36,6 +64,24 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**{k: v for k, v in vars(args).items() if k in names})
 
 
+def _url(raw: str) -> str:
+    from .client import check_url
+    try:
+        return check_url(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {raw!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _settings_parser()
     parser = argparse.ArgumentParser(prog="cosyvoice", description="Real-time speech to text.")
@@ -48,11 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--processes", type=int, default=None,
                         help="worker processes (default: --workers, 0 = one per core)")
     tr = sub.add_parser("transcribe", help="stream a WAV file and print its transcript")
-    tr.add_argument("file")
-    tr.add_argument("--url", default="http://127.0.0.1:5000")
+    tr.add_argument("file", help="WAV file: integer PCM of 8-32 bits, any rate and channels")
+    tr.add_argument("--url", type=_url, default="http://127.0.0.1:5000",
+                    help="the service (http:// or https://)")
     tr.add_argument("--pace", choices=("realtime", "fast"), default="realtime")
     tr.add_argument("--json", action="store_true", help="one JSON object per event")
-    tr.add_argument("--timeout", type=float, default=60.0,
+    tr.add_argument("--timeout", type=_positive, default=60.0,
                     help="seconds to wait for the final result after the last chunk")
     tr.add_argument("--token", default=os.environ.get("COSYVOICE_TOKEN"),
                     help="client token when the service requires one (or COSYVOICE_TOKEN)")
@@ -74,6 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except CliError as exc:
+        status, msg = exc.status, str(exc)
+    except SettingsError as exc:
+        status, msg = EXIT_USAGE, str(exc)
+    except KeyboardInterrupt:
+        status, msg = EXIT_INTERRUPTED, "interrupted"
+    print(f"cosyvoice {args.command}: {msg}", file=sys.stderr, flush=True)
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "gateway":
         return cmd_gateway(_settings(args))
     if args.command == "worker":
@@ -91,27 +151,29 @@ def cmd_model(settings: Settings, source: str | None, force: bool) -> int:
     from . import model_data
 
     source = source or settings.whisper_checkpoint or None
+    if source and not Path(source).is_file():
+        raise CliError(EXIT_INPUT, f"cannot read {source}: no such file")
     try:
-        ct2 = model_data.install_ct2(settings.model_dir or None)
-        print(f"CTranslate2 model (SHA-256 verified): {ct2}")
         device = model_data.resolve_device(settings.whisper_device)
         path = model_data.convert(settings.model_dir or None, source=source, device=device,
                                   force=force)
+        ct2 = model_data.install_ct2(settings.model_dir or None)
+    except model_data.CheckpointFileError as exc:
+        raise CliError(EXIT_INPUT, str(exc)) from None
     except model_data.ModelDataError as exc:
-        print(f"cosyvoice model: {exc}", file=sys.stderr)
-        return 1
+        raise CliError(EXIT_FAILED, str(exc)) from None
+    print(f"CTranslate2 model (SHA-256 verified): {ct2}")
     print(f"torch checkpoint: {path}")
-    return 0
+    return EXIT_OK
 
 
 def cmd_token(settings: Settings, subject: str) -> int:
     from .tokens import issue
 
     if not settings.auth_secret:
-        print("cosyvoice token: set COSYVOICE_AUTH_SECRET or --auth-secret", file=sys.stderr)
-        return 2
+        raise CliError(EXIT_USAGE, "set COSYVOICE_AUTH_SECRET or --auth-secret")
     print(issue(settings.auth_secret, subject))
-    return 0
+    return EXIT_OK
 
 
 def _process_count(settings: Settings, processes: int | None) -> int:
@@ -130,11 +192,15 @@ def cmd_gateway(settings: Settings) -> int:
 
     logs.setup(settings.log_level)
     if not settings.redis_url:
-        print("cosyvoice gateway: set COSYVOICE_REDIS_URL or --redis-url", file=sys.stderr)
-        return 2
+        raise CliError(EXIT_USAGE, "set COSYVOICE_REDIS_URL or --redis-url")
     app = create_app(settings)
     server = pywsgi.WSGIServer((settings.host, settings.port), app,
                                handler_class=WebSocketHandler, log=None)
+    try:
+        server.init_socket()
+    except OSError as exc:
+        raise CliError(EXIT_FAILED, f"cannot listen on {settings.host}:{settings.port}: "
+                                    f"{os.strerror(exc.errno) if exc.errno else exc}") from None
 
     def on_term(signum, frame):
         import gevent
@@ -145,7 +211,7 @@ def cmd_gateway(settings: Settings) -> int:
     print(f"gateway listening on http://{settings.host}:{settings.port}", file=sys.stderr,
           flush=True)
     server.serve_forever()
-    return 0
+    return EXIT_OK
 
 
 def cmd_worker(settings: Settings, processes: int | None) -> int:
@@ -153,8 +219,7 @@ def cmd_worker(settings: Settings, processes: int | None) -> int:
 
     logs.setup(settings.log_level)
     if not settings.redis_url:
-        print("cosyvoice worker: set COSYVOICE_REDIS_URL or --redis-url", file=sys.stderr)
-        return 2
+        raise CliError(EXIT_USAGE, "set COSYVOICE_REDIS_URL or --redis-url")
     if not settings.worker_metrics_port:
         from .worker import run_pool
         return run_pool(settings, _process_count(settings, processes))
@@ -197,19 +262,20 @@ def cmd_serve(settings: Settings) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    code = 0
+    exited = None
     try:
-        while not stopping["n"]:
-            if any(c.poll() is not None for c in children):
-                print("a cosyvoice process exited; stopping", file=sys.stderr)
-                code = 1
-                break
+        while not stopping["n"] and exited is None:
+            exited = next((c for c in children if c.poll() is not None), None)
             time.sleep(0.2)
     finally:
         _stop_children(children, stopping)
         if embedded:
             embedded.stop()
-    return code
+    if exited is not None:
+        name = "gateway" if exited is children[0] else "worker pool"
+        raise CliError(EXIT_FAILED, f"the {name} exited with status {exited.returncode}; "
+                                    "stopped everything")
+    return EXIT_OK
 
 
 def _stop_children(children: list[subprocess.Popen], stopping: dict) -> None:
@@ -226,10 +292,14 @@ def _stop_children(children: list[subprocess.Popen], stopping: dict) -> None:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
-    from .audio import read_wav
-    from .client import TranscribeError, transcribe_pcm
+    from .audio import AudioFileError, read_wav
 
-    pcm, rate = read_wav(args.file)
+    try:
+        pcm, rate = read_wav(args.file)
+    except AudioFileError as exc:
+        raise CliError(EXIT_INPUT, str(exc)) from None
+    if not pcm:
+        raise CliError(EXIT_INPUT, f"{args.file} holds no audio")
     partial_shown = {"len": 0}
 
     def show(event: str, data: dict) -> None:
@@ -254,17 +324,36 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                 print(f"    {words}", flush=True)
         elif event == "error":
             print(f"error {data.get('code')}: {data.get('msg')}", file=sys.stderr, flush=True)
+        elif event == "retry":
+            print(f"the service is {data['code']}; trying again in {data['after_ms']} ms",
+                  file=sys.stderr, flush=True)
         elif event == "session" and data.get("resumed"):
             print(f"reconnected; resuming at chunk {data['next_seq']}", file=sys.stderr, flush=True)
 
     try:
-        result = transcribe_pcm(args.url, pcm, rate, pace=args.pace, on_event=show,
-                                timeout=args.timeout, token=args.token,
-                                ssl_verify=not args.insecure, mode=args.mode)
+        result = _stream(args, pcm, rate, show)
+    finally:
+        if partial_shown["len"]:  # the next line starts where the partial began
+            sys.stderr.write("\r" + " " * partial_shown["len"] + "\r")
+    if result.fatal_errors:
+        error = result.fatal_errors[-1]
+        raise CliError(EXIT_FAILED, f"the stream ended with error {error.get('code')}")
+    if not result.ended:
+        raise CliError(EXIT_FAILED, f"no end of the stream within {args.timeout:g} s")
+    return EXIT_OK
+
+
+def _stream(args: argparse.Namespace, pcm: bytes, rate: int, show):
+    from .client import Refused, TranscribeError, Unreachable, transcribe_pcm
+
+    try:
+        return transcribe_pcm(args.url, pcm, rate, pace=args.pace, on_event=show,
+                              timeout=args.timeout, token=args.token,
+                              ssl_verify=not args.insecure, mode=args.mode)
+    except Unreachable as exc:
+        raise CliError(EXIT_UNREACHABLE, exc.msg) from None
+    except Refused as exc:
+        raise CliError(EXIT_REFUSED, f"the service refused the session: {exc.code}: "
+                                     f"{exc.msg}") from None
     except TranscribeError as exc:
-        print(f"error {exc.code}: {exc.msg}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # connection refused, TLS, timeouts
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 1 if result.fatal_errors or not result.ended else 0
+        raise CliError(EXIT_FAILED, exc.msg) from None

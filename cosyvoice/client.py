@@ -14,10 +14,14 @@ and survives what a real network does to it:
 
 from __future__ import annotations
 
+import http.client
+import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+from urllib.parse import urlsplit
 
 import socketio
 
@@ -33,12 +37,79 @@ RETRY_PAUSE_S = 0.5
 
 
 class TranscribeError(Exception):
-    """The server refused the stream, or it did not end in time."""
+    """The stream did not reach its end: the subclass says why."""
 
     def __init__(self, code: str, msg: str):
         super().__init__(f"{code}: {msg}")
         self.code = code
         self.msg = msg
+
+
+class Unreachable(TranscribeError):
+    """No cosyvoice service could be reached at the URL, or the connection was lost."""
+
+    def __init__(self, msg: str):
+        super().__init__("unavailable", msg)
+
+
+class Refused(TranscribeError):
+    """The service answered and refused the session (``code`` is its wire error)."""
+
+
+def check_url(url: str) -> str:
+    """``url`` if a client can connect to it, else ValueError saying what is wrong."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError on a bad port)
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
+    return url
+
+
+def diagnose(url: str, ssl_verify: bool = True, timeout: float = 5.0) -> str | None:
+    """Why no Socket.IO session opens at ``url``, in one line; None when the server
+    looks like a Socket.IO server (the cause is then elsewhere)."""
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    host, port = parts.hostname or "", parts.port or (443 if tls else 80)
+    where = f"{host}:{port}"
+    if tls:
+        context = ssl.create_default_context()
+        if not ssl_verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            host, port, timeout=timeout, context=context)
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    path = (parts.path.rstrip("/") or "") + "/socket.io/?EIO=4&transport=polling"
+    try:
+        conn.request("GET", path)
+        status = conn.getresponse().status
+    except socket.gaierror:
+        return f"cannot resolve the host name {host!r}"
+    except ConnectionRefusedError:
+        return f"nothing listens on {where} (connection refused)"
+    except (TimeoutError, socket.timeout):
+        return f"{where} did not answer within {timeout:g} s"
+    except ssl.SSLCertVerificationError as exc:
+        return (f"the TLS certificate of {where} is not trusted ({exc.verify_message}); "
+                "--insecure skips the check")
+    except ssl.SSLError as exc:
+        return f"TLS with {where} failed ({exc.reason}); does it serve https?"
+    except (http.client.HTTPException, ConnectionError) as exc:
+        return f"{where} does not answer HTTP ({type(exc).__name__}); is this the service's URL?"
+    except OSError as exc:
+        return f"cannot reach {where}: {exc.strerror or exc}"
+    finally:
+        conn.close()
+    if status == 404:
+        return f"{url} is not a cosyvoice service (HTTP 404 for /socket.io/)"
+    if status >= 500 or (status >= 300 and status != 400):
+        return f"{url} answered HTTP {status} for /socket.io/ (a proxy with no service behind it?)"
+    return None
 
 
 @dataclass
@@ -87,6 +158,8 @@ class StreamingClient:
         self._ready = threading.Event()  # connected with a session
         self._done = threading.Event()  # end, or a fatal error
         self._refused = threading.Event()  # the last connection attempt was refused
+        self._connect_failure = ""  # why the last attempt failed below the protocol
+        self._ssl_verify = ssl_verify
         self._next = 0  # next seq to send
         self._acked = -1  # highest seq acknowledged
         self._pause_until = 0.0
@@ -166,12 +239,15 @@ class StreamingClient:
 
         @self.sio.event(namespace=NAMESPACE)
         def connect_error(data=None):
-            # a refusal carries the wire error as its data: {message, data: {code, msg}}
+            # a refusal carries the wire error as its data: {message, data: {code, msg}};
+            # anything else is a connection that failed below the protocol
             wire = data.get("data") if isinstance(data, dict) else None
-            error = wire if isinstance(wire, dict) and "code" in wire else \
-                {"code": "internal", "msg": str(data)}
-            self.result.refusals.append(error)
-            self._record("error", error)
+            if not (isinstance(wire, dict) and "code" in wire):
+                message = data.get("message", data) if isinstance(data, dict) else data
+                self._connect_failure = str(message or "connection failed")
+                return
+            self.result.refusals.append(wire)
+            self._record("refused", wire)
             self._refused.set()
 
         @self.sio.event(namespace=NAMESPACE)
@@ -201,24 +277,38 @@ class StreamingClient:
 
     def connect(self, timeout: float = 10.0, overload_retries: int = 5) -> dict:
         """Connect and wait for the ``session`` event; retries ``overloaded`` as hinted."""
-        for _attempt in range(overload_retries + 1):
+        for attempt in range(overload_retries + 1):
             self._refused.clear()
+            self._connect_failure = ""
             try:
                 self.sio.connect(self.url, namespaces=[NAMESPACE], transports=["websocket"],
                                  auth=self._auth, headers=self.headers, wait_timeout=timeout)
             except socketio.exceptions.ConnectionError as exc:
                 if not self._refused.is_set():
-                    raise TranscribeError("unavailable", f"cannot connect: {exc}") from exc
+                    raise Unreachable(self._why_unreachable(exc)) from None
             if not self._refused.is_set() and self._ready.wait(timeout):
                 return self.session_info
             refusal = self.result.refusals[-1] if self._refused.is_set() else {}
             self.close()
+            if not refusal:
+                raise Unreachable(f"{self.url} opened no session within {timeout:g} s")
             if refusal.get("code") != "overloaded":
-                raise TranscribeError(refusal.get("code", "internal"),
-                                      refusal.get("msg", "no session event after connect"))
-            time.sleep(refusal.get("retry_after_ms", 2000) / 1000)
+                raise Refused(refusal.get("code", "internal"), refusal.get("msg", ""))
+            if attempt == overload_retries:
+                break
+            after_ms = refusal.get("retry_after_ms", 2000)
+            self._record("retry", {"code": "overloaded", "after_ms": after_ms})
+            time.sleep(after_ms / 1000)
             self._new_sio()
-        raise TranscribeError("overloaded", "the service stayed overloaded")
+        raise Refused("overloaded", f"the service stayed overloaded after "
+                                    f"{overload_retries + 1} attempts")
+
+    def _why_unreachable(self, exc: Exception) -> str:
+        reason = diagnose(self.url, self._ssl_verify)
+        if reason:
+            return reason
+        detail = self._connect_failure or str(exc)
+        return f"{self.url} answered but no Socket.IO session opened on {NAMESPACE} ({detail})"
 
     def send(self, pcm: bytes, seq: int, last: bool = False, sample_rate: int = 0,
              wait_ack: bool = False, timeout: float = 10.0) -> dict | None:
@@ -249,7 +339,7 @@ class StreamingClient:
         start = time.monotonic()
         while not self._done.is_set():
             if not self._ready.wait(reconnect_timeout):
-                raise TranscribeError("unavailable", "the connection was lost and not restored")
+                raise Unreachable("the connection was lost and not restored")
             with self._lock:
                 if self._acked >= len(chunks) - 1:
                     return
@@ -302,7 +392,7 @@ def transcribe_pcm(url: str, pcm: bytes, rate: int, pace: str = "realtime",
         client.connect()
         client.stream_pcm(pcm, rate, pace)
         if not client.wait_end(timeout) and not client.result.fatal_errors:
-            raise TranscribeError("internal", f"no end event within {timeout:.0f}s")
+            raise TranscribeError("internal", f"no end of the stream within {timeout:g} s")
         if stop:
             client.stop()
     finally:

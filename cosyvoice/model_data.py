@@ -44,6 +44,10 @@ class ModelDataError(RuntimeError):
     """The model data is missing, corrupt or not the expected model."""
 
 
+class CheckpointFileError(ModelDataError):
+    """A checkpoint file the user named is not an openai-whisper checkpoint."""
+
+
 def default_model_dir() -> Path:
     """Where converted model files live: ``COSYVOICE_MODEL_DIR``, else the user cache."""
     env = os.environ.get("COSYVOICE_MODEL_DIR")
@@ -338,7 +342,9 @@ def convert(model_dir: Path | None = None, source: Path | None = None,
             ckpt = torch.load(source, map_location="cpu", weights_only=True)
             dims, state = ckpt["dims"], ckpt["model_state_dict"]
         except Exception as exc:  # any unreadable file is the same error for the user
-            raise ModelDataError(f"{source} is not an openai-whisper checkpoint: {exc}") from exc
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CheckpointFileError(f"{source} is not an openai-whisper checkpoint ({why})"
+                                      ) from exc
         _save_checkpoint(dict(dims), state, target, dtype)
         return target
     target = checkpoint_path(model_dir, device)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .asr import SUPPORTED_RATES
 from .chunk_pb import AudioChunkProto
 from .errors import BadChunk, TooLarge, UnsupportedRate
 
-SUPPORTED_RATES = (8000, 16000, 48000)
 CHUNK_MS = 200
 SAMPLE_WIDTH = 2
 # Field tags and varint lengths around the PCM: a generous bound for the envelope.

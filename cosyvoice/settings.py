@@ -7,11 +7,20 @@ Each field's comment says why its default is what it is. CLI flags use the same 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, fields
-from typing import Mapping
+from typing import Callable, Mapping
+from urllib.parse import urlsplit
+
+from .asr import ENGINES, SUPPORTED_RATES, WHISPER_BACKENDS
 
 ENV_PREFIX = "COSYVOICE_"
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message names its COSYVOICE_* variable."""
+
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -128,7 +137,19 @@ class Settings:
             if raw is not None:
                 values[f.name] = _parse(f.name, f.type, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return cls(**values).validate()
+
+    def validate(self) -> "Settings":
+        """These settings, or SettingsError naming the first one no process can run with."""
+        for name, (ok, expected) in _RULES.items():
+            value = getattr(self, name)
+            if not ok(value):
+                raise SettingsError(f"{ENV_PREFIX}{name.upper()}={value!r}: "
+                                    f"expected {expected}")
+        if self.lease_renew_ms >= self.lease_ttl_ms:
+            raise SettingsError(f"{ENV_PREFIX}LEASE_RENEW_MS={self.lease_renew_ms} must be "
+                                f"less than {ENV_PREFIX}LEASE_TTL_MS={self.lease_ttl_ms}")
+        return self
 
     def as_env(self) -> dict[str, str]:
         """These settings as environment variables, for child processes."""
@@ -153,8 +174,79 @@ def _parse(name: str, type_name: str, raw: str):
         if type_name == "float":
             return float(raw)
     except ValueError as exc:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}: cannot parse {raw!r} as {type_name}") from exc
+        raise SettingsError(f"{ENV_PREFIX}{name.upper()}={raw!r}: expected {_KINDS[type_name]}"
+                            ) from exc
     return raw
+
+
+_KINDS = {"bool": "true or false", "int": "a whole number", "float": "a number"}
+
+
+def _redis_url(url: str) -> bool:
+    if not url:
+        return True
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError on a bad port)
+    except ValueError:
+        return False
+    if parts.scheme == "unix":
+        return bool(parts.path)
+    return parts.scheme in ("redis", "rediss") and bool(parts.hostname)
+
+
+def _at_least(low: float) -> tuple[Callable, str]:
+    return (lambda v: v >= low), f"a number of at least {low:g}"
+
+
+def _more_than(low: float) -> tuple[Callable, str]:
+    return (lambda v: v > low), f"a number greater than {low:g}"
+
+
+def _one_of(*choices) -> tuple[Callable, str]:
+    return (lambda v: v in choices), "one of " + ", ".join(repr(c) for c in choices)
+
+
+# What each setting may be; values outside these stop a process before it starts.
+_RULES: dict[str, tuple[Callable, str]] = {
+    "redis_url": (_redis_url, "redis://host:port[/db], rediss://... or unix:///path "
+                              "(empty: embedded Redis)"),
+    "port": ((lambda v: 1 <= v <= 65535), "a port from 1 to 65535"),
+    "worker_metrics_port": ((lambda v: 0 <= v <= 65535), "a port from 1 to 65535, or 0"),
+    "gateway_processes": _at_least(1),
+    "gateway_timeout_s": _at_least(1),
+    "gateway_graceful_timeout_s": _at_least(0),
+    "workers": _at_least(0),
+    "worker_capacity": _at_least(1),
+    "engine": _one_of(*ENGINES),
+    "whisper_worker_capacity": _at_least(1),
+    "whisper_backend": _one_of(*WHISPER_BACKENDS),
+    "whisper_threads": _at_least(1),
+    "whisper_device": _one_of("", "cpu", "cuda"),
+    "session_grace_s": _at_least(0),
+    "lease_ttl_ms": _at_least(100),
+    "lease_renew_ms": _at_least(10),
+    "claim_interval_ms": _at_least(10),
+    "stream_maxlen": _at_least(10),
+    "result_ttl_s": _at_least(1),
+    "max_chunk_ms": _at_least(200),
+    "default_sample_rate": _one_of(*SUPPORTED_RATES),
+    "redis_max_connections": _at_least(1),
+    "max_utterance_s": _more_than(0),
+    "endpoint_window_s": _more_than(0),
+    "endpoint_ratio": ((lambda v: 0 < v <= 1), "a fraction above 0, at most 1"),
+    "endpoint_preroll_s": _at_least(0),
+    "token_ttl_s": _at_least(1),
+    "rate_limit_factor": _at_least(0),
+    "rate_limit_burst_s": _at_least(0),
+    "max_session_s": _more_than(0),
+    "max_sessions_per_client": _at_least(0),
+    "trusted_proxies": _at_least(0),
+    "sweep_idle_s": _more_than(0),
+    "overload_retry_ms": _at_least(0),
+    "log_level": ((lambda v: isinstance(logging.getLevelName(v.strip().upper()), int)),
+                  "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+}
 
 
 def _format(value) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import soxr
@@ -34,6 +36,24 @@ def test_settings_reject_garbage_and_round_trip_through_env():
         Settings.from_env({"COSYVOICE_PORT": "five"})
     s = Settings(port=5123, endpoint_ratio=0.8)
     assert Settings.from_env(s.as_env()) == s
+
+
+def test_settings_rules_cover_every_checkable_setting_and_accept_the_defaults():
+    from cosyvoice.settings import _RULES, SettingsError
+    names = {f.name for f in dataclasses.fields(Settings)}
+    assert set(_RULES) <= names
+    # free text (addresses, paths, secrets, origins) and booleans need no rule
+    assert names - set(_RULES) == {"host", "whisper_cpu_bf16", "whisper_checkpoint",
+                                   "model_dir", "allowed_origins", "auth_secret"}
+    assert Settings().validate() == Settings()
+    for env in ({"COSYVOICE_WORKER_CAPACITY": "0"}, {"COSYVOICE_ENDPOINT_RATIO": "1.5"},
+                {"COSYVOICE_DEFAULT_SAMPLE_RATE": "22050"},
+                {"COSYVOICE_REDIS_URL": "redis://:6379"},
+                {"COSYVOICE_WHISPER_BACKEND": "onnx"}):
+        with pytest.raises(SettingsError, match=next(iter(env))):
+            Settings.from_env(env)
+    for url in ("redis://localhost:6379/0", "rediss://h:1", "unix:///run/redis.sock"):
+        assert Settings.from_env({"COSYVOICE_REDIS_URL": url}).redis_url == url
 
 
 def test_settings_are_frozen():

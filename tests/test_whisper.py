@@ -13,6 +13,7 @@ import pytest
 import socketio
 
 from cosyvoice import model_data
+from cosyvoice.asr import WHISPER_BACKENDS
 from cosyvoice.asr.whisper_engine import CT2Whisper, TorchWhisper, _float_audio
 from cosyvoice.client import transcribe_pcm
 from cosyvoice.embedded_redis import EmbeddedRedis
@@ -165,10 +166,7 @@ def test_cli_model_command_converts_into_the_model_dir(tmp_path, artifacts):
 # ---- through the service ----------------------------------------------------------------
 
 
-BACKENDS = ("torch", "ctranslate2")
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=WHISPER_BACKENDS)
 def whisper_service(request, artifacts, model_dir):
     """A 2pass service on a Redis of its own: workers take any session announced in
     their Redis, so the PocketSphinx test service must not share it."""

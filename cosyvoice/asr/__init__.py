@@ -39,9 +39,13 @@ class Model(Protocol):
     # Optional: ``after_fork()`` runs in each worker process before it starts decoding.
 
 
+# Sample rates a session may stream at: every engine's front end resamples them exactly.
+SUPPORTED_RATES = (8000, 16000, 48000)
 ENGINES = ("pocketsphinx", "2pass", "whisper", "null")
 # Engines whose finals come from Whisper (cosyvoice/asr/whisper_engine.py).
 WHISPER_ENGINES = ("2pass", "whisper")
+# Backends of Whisper finals (COSYVOICE_WHISPER_BACKEND).
+WHISPER_BACKENDS = ("torch", "ctranslate2")
 # Where a session's finals come from (auth ``mode``).
 SESSION_MODES = ("pocketsphinx", "2pass", "whisper")
 # The session modes each engine offers; the first is the default.

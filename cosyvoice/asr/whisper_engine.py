@@ -24,10 +24,9 @@ import warnings
 
 import numpy as np
 
-from . import SESSION_MODES
+from . import SESSION_MODES, WHISPER_BACKENDS
 from .pocketsphinx_engine import MODEL_RATE, PocketSphinxModel, PocketSphinxStream
 
-BACKENDS = ("torch", "ctranslate2")
 # Silence added around an utterance before Whisper sees it: the endpointer cuts close to
 # the last word, and Whisper drops a final word that runs into the end of its input.
 PAD_S = 0.2
@@ -168,8 +167,8 @@ def load_backend(settings):
     from .. import model_data
 
     backend = settings.whisper_backend
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown whisper backend {backend!r}; choose one of {BACKENDS}")
+    if backend not in WHISPER_BACKENDS:
+        raise ValueError(f"unknown whisper backend {backend!r}; choose one of {WHISPER_BACKENDS}")
     mdir = settings.model_dir or None
     if backend == "ctranslate2":
         return CT2Whisper(str(model_data.install_ct2(mdir)), threads=settings.whisper_threads)
