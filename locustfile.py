@@ -41,7 +41,8 @@ import gevent
 from locust import User, constant, events, task
 
 from cosyvoice.audio import read_wav, split_chunks
-from cosyvoice.client import NAMESPACE, StreamingClient, TranscribeError
+from cosyvoice.client import StreamingClient, TranscribeError
+from cosyvoice.protocol import NAMESPACE
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 REQUEST_TYPE = "socketio"

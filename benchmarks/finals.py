@@ -213,7 +213,7 @@ def main() -> None:
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
-    from cosyvoice import model_data
+    from cosyvoice.asr import model_data
     model_dir = str(model_data.default_model_dir() if not args.model_dir else args.model_dir)
     model_data.convert(model_dir)
     refs = texts()

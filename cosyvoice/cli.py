@@ -148,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def cmd_model(settings: Settings, source: str | None, force: bool) -> int:
-    from . import model_data
+    from .asr import model_data
 
     source = source or settings.whisper_checkpoint or None
     if source and not Path(source).is_file():
@@ -221,14 +221,14 @@ def cmd_worker(settings: Settings, processes: int | None) -> int:
     if not settings.redis_url:
         raise CliError(EXIT_USAGE, "set COSYVOICE_REDIS_URL or --redis-url")
     if not settings.worker_metrics_port:
-        from .worker import run_pool
+        from .pool import run_pool
         return run_pool(settings, _process_count(settings, processes))
     # The pool's processes add up their metrics in one directory, chosen before
-    # prometheus_client is imported (by .worker).
+    # prometheus_client is imported (by .pool, through .worker).
     path, created = metrics_dir.choose("worker")
     metrics_dir.clear(path)
     from . import metrics
-    from .worker import run_pool
+    from .pool import run_pool
     try:
         metrics.serve_pool(settings.host, settings.worker_metrics_port)
         return run_pool(settings, _process_count(settings, processes))

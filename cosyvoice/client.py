@@ -26,9 +26,8 @@ from urllib.parse import urlsplit
 import socketio
 
 from .audio import split_chunks
-from .protocol import encode_chunk
+from .protocol import NAMESPACE, encode_chunk
 
-NAMESPACE = "/ws"
 # Chunks sent and not yet acknowledged, at most.
 MAX_IN_FLIGHT = 64
 # Error codes after which the client rewinds and resends rather than giving up.

@@ -12,6 +12,8 @@ from .asr import SUPPORTED_RATES
 from .chunk_pb import AudioChunkProto
 from .errors import BadChunk, TooLarge, UnsupportedRate
 
+# The Socket.IO namespace of the streaming protocol.
+NAMESPACE = "/ws"
 CHUNK_MS = 200
 SAMPLE_WIDTH = 2
 # Field tags and varint lengths around the PCM: a generous bound for the envelope.

@@ -1,10 +1,12 @@
 """ASR worker: owns sessions by lease and decodes each one's audio stream in order.
 
-Ownership follows the design contract: a worker with free capacity reads a session's
-announcement from the ``sessions`` stream (consumer group ``workers``), takes
-``lease:{SID}`` with ``SET NX PX``, and from then on alone reads ``audio:{SID}`` from the
-session's checkpoint (or from the very first entry). It renews its leases and keeps its
-announcements fresh; announcements whose owner died are taken over with ``XAUTOCLAIM``.
+Ownership follows the design contract: a worker with free capacity takes the sessions
+placement gives it (``Bus.place``: announcements of the ``sessions`` stream, consumer group
+``workers``, to the least-loaded live worker), takes ``lease:{SID}`` with ``SET NX PX``, and
+from then on alone reads ``audio:{SID}`` from the session's checkpoint (or from the very
+first entry). It renews its leases and keeps its announcements fresh; announcements whose
+owner died are claimed by placement too. ``cosyvoice/pool.py`` runs these loops in forked
+processes; ``cosyvoice/sweeper.py`` deletes abandoned sessions.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import time
 import uuid
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 import redis
 
 from . import bus as busmod
-from . import debug_mem, metrics
-from .asr import WHISPER_ENGINES, Model, Stream, load_model
+from . import metrics, sweeper
+from .asr import Model, Stream
 from .protocol import parse_stored
 from .settings import Settings
 
@@ -46,9 +47,6 @@ ROUND_PACE_PER_SESSION_S = 50e-6
 ROUND_PACE_MAX_S = 0.02
 # Backoff cap while Redis is unreachable.
 MAX_BACKOFF_S = 2.0
-# How often some worker sweeps abandoned sessions (one at a time, by lock).
-SWEEP_INTERVAL_S = 60.0
-SWEEP_LOCK = "sweeper"
 
 
 @dataclass
@@ -74,7 +72,7 @@ class Worker:
         self.accepting = True
         self._next_renew = 0.0
         self._next_autoclaim = 0.0
-        self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S * 0.5
+        self._next_sweep = time.monotonic() + sweeper.SWEEP_INTERVAL_S * 0.5
         self._last_round = 0.0
         self._newest_announcement = "0-0"
 
@@ -112,8 +110,8 @@ class Worker:
         self._last_round = now
         self._renew_if_due()
         if now >= self._next_sweep:
-            self._next_sweep = now + SWEEP_INTERVAL_S
-            self.sweep()
+            self._next_sweep = now + sweeper.SWEEP_INTERVAL_S
+            sweeper.sweep(self.bus, self.id, self.settings.sweep_idle_s)
         free = self.settings.worker_capacity - len(self.sessions)
         if free > 0 and self.accepting:
             self._claim(now, free)
@@ -199,33 +197,6 @@ class Worker:
         log.info("took session %s at seq %d", ann.sid, next_seq,
                  extra={"session": ann.sid, "event": "claim"})
 
-    def sweep(self, force: bool = False) -> int:
-        """Delete sessions whose audio saw no new entry for ``sweep_idle_s``.
-
-        A session normally ends by ``stop``, by its grace period after a disconnect, or
-        by expiry after ``last``; this catches the rest (a gateway that died without
-        running its disconnect handlers). One worker sweeps at a time.
-        """
-        if not force and not self.bus.try_lock(SWEEP_LOCK, self.id, int(SWEEP_INTERVAL_S * 1000)):
-            return 0
-        # Killed workers leave their consumers in the group; once their sessions were
-        # taken over they hold nothing and are only clutter in every placement's scan.
-        self.bus.forget_consumers(self.bus.dead_consumers())
-        cutoff_ms = int((time.time() - self.settings.sweep_idle_s) * 1000)
-        swept, after = 0, "-"
-        while True:
-            batch = self.bus.announcements(after)
-            if not batch:
-                return swept
-            activity = self.bus.last_activity_ms([a.sid for a in batch])
-            for ann in batch:
-                last = activity[ann.sid]
-                if last is None or last < cutoff_ms:
-                    self.bus.sweep_session(ann.sid, ann.msg_id)
-                    swept += 1
-                    log.info("swept idle session", extra={"session": ann.sid, "event": "sweep"})
-            after = batch[-1].msg_id
-
     # ---- decoding ---------------------------------------------------------------------
 
     def _decode_guarded(self, sid: str, entries: list[tuple[str, bytes]]) -> None:
@@ -284,85 +255,3 @@ class Worker:
         self.bus.release_lease(s.sid, self.id)
         self.bus.ack_announcement(s.announcement)
         log.info("session %s finished", s.sid, extra={"session": s.sid, "event": "finish"})
-
-
-# ---- process management ------------------------------------------------------------------
-
-
-def _run_child(settings: Settings, model: Model) -> int:
-    after_fork = getattr(model, "after_fork", None)
-    if after_fork is not None:
-        after_fork()
-    client = busmod.connect(settings.redis_url, max_connections=8, blocking=False)
-    worker = Worker(settings, model, client)
-    stops = {"n": 0}
-
-    def on_term(signum, frame):
-        stops["n"] += 1
-        if stops["n"] > 1:
-            os._exit(1)
-        worker.request_stop()
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
-    log.info("worker %s ready (engine %s, capacity %d)", worker.id, model.name,
-             settings.worker_capacity)
-    debug_mem.start("worker")
-    worker.run()
-    return 0
-
-
-def run_pool(settings: Settings, processes: int) -> int:
-    """Load the model once, fork ``processes`` workers, restart any that die.
-
-    Decoders are created here, before fork, so their model pages are shared between the
-    worker processes. The first SIGTERM drains every worker; a second one kills them.
-    """
-    if settings.engine in WHISPER_ENGINES:
-        # Whisper finals cost more than PocketSphinx's: admission counts them.
-        settings = settings.replace(worker_capacity=settings.whisper_worker_capacity)
-    model = load_model(settings.engine, settings)
-    model.preload(settings.worker_capacity)
-    children: dict[int, int] = {}
-    state = {"stopping": 0}
-
-    def spawn(slot: int) -> None:
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                code = _run_child(settings, model)
-            except BaseException:  # noqa: BLE001 - a child must never return into the parent
-                log.exception("worker process crashed")
-            finally:
-                logging.shutdown()
-                os._exit(code)
-        children[pid] = slot
-
-    def on_term(signum, frame):
-        state["stopping"] += 1
-        sig = signal.SIGTERM if state["stopping"] == 1 else signal.SIGKILL
-        for pid in list(children):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-    for slot in range(processes):
-        spawn(slot)
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
-    while children:
-        try:
-            pid, status = os.wait()
-        except ChildProcessError:
-            break
-        except InterruptedError:
-            continue
-        slot = children.pop(pid, None)
-        if slot is not None and not state["stopping"]:
-            log.warning("worker process %d exited (status %d); starting another", pid, status)
-            time.sleep(0.5)
-            spawn(slot)
-    return 0
-

@@ -12,10 +12,15 @@ import redis
 from cosyvoice import bus as busmod
 from cosyvoice.embedded_redis import EmbeddedRedis, free_port
 
+from . import tiers
 from .helpers import spawn, terminate, wait_for, wait_http
 
 # Disconnected sessions expire after this in the test service (30 s in production).
 TEST_GRACE_S = 2.0
+
+
+def pytest_configure(config):
+    tiers.FAST = config.getoption("markexpr") == "fast"
 
 
 @pytest.fixture(scope="session")

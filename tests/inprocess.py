@@ -5,7 +5,7 @@ from __future__ import annotations
 import gevent
 from socketio import packet
 
-from cosyvoice.webui import NAMESPACE
+from cosyvoice.protocol import NAMESPACE
 
 
 def open_test_client(app, auth=None):

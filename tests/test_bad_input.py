@@ -17,10 +17,14 @@ from cosyvoice import tokens
 from cosyvoice.errors import ERROR_CODES, CosyvoiceError
 from cosyvoice.limits import TokenBucket, parse_auth
 from cosyvoice.protocol import decode_chunk, encode_chunk
+from cosyvoice.protocol import NAMESPACE
 from cosyvoice.settings import Settings
-from cosyvoice.webui import NAMESPACE, create_app
+from cosyvoice.webui import create_app
 
 from .inprocess import open_test_client
+from .tiers import fuzz_examples
+
+pytestmark = pytest.mark.fast
 
 CHUNK = b"\x01\x00" * 3200  # 200 ms at 16 kHz
 SECRET = "test-secret"
@@ -191,7 +195,7 @@ def test_token_bucket_refills_at_its_rate():
 
 # ---- fuzzing -----------------------------------------------------------------------
 
-FUZZ = settings(max_examples=10_000, deadline=None,
+FUZZ = settings(max_examples=fuzz_examples(), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 protobuf_like = st.one_of(

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import redis
 
 from cosyvoice import bus as busmod
+from cosyvoice import sweeper
 from cosyvoice.client import StreamingClient
-from cosyvoice.protocol import encode_chunk
-from cosyvoice.settings import Settings
-from cosyvoice.worker import Worker
-from cosyvoice.asr import load_model
-
 from cosyvoice.embedded_redis import EmbeddedRedis
+from cosyvoice.protocol import encode_chunk
 
 from .conftest import start_service, stop_service
 from .helpers import read_pcm, wait_for
@@ -80,6 +78,7 @@ def test_a_thousand_sessions_come_and_go_without_a_trace(churn_service):
     rds.close()
 
 
+@pytest.mark.fast
 def test_the_sweeper_deletes_sessions_nobody_will_end(redis_server):
     rds = redis.Redis.from_url(redis_server.url)
     bus = busmod.Bus(rds)
@@ -89,12 +88,9 @@ def test_the_sweeper_deletes_sessions_nobody_will_end(redis_server):
     bus.append_chunks([("abandoned0000000000000000", 0, encode_chunk(b"\0\0" * 3200, 0), 16000, False)])
     bus.create_session("fresh0000000000000000000", 16000)
     bus.announce("fresh0000000000000000000")
-    worker = Worker(Settings(redis_url=redis_server.url, sweep_idle_s=0.5),
-                    load_model("null", Settings()), rds, worker_id="sweeper-test")
-    import time
     time.sleep(0.6)
     bus.append_chunks([("fresh0000000000000000000", 0, encode_chunk(b"\0\0" * 3200, 0), 16000, False)])
-    assert worker.sweep(force=True) == 1
+    assert sweeper.sweep(bus, "sweeper-test", idle_s=0.5, force=True) == 1
     assert not any(rds.exists(k) for k in busmod.session_keys("abandoned0000000000000000"))
     assert rds.exists(busmod.audio_key("fresh0000000000000000000"))
     assert "abandoned0000000000000000" not in [a.sid for a in bus.announcements()]

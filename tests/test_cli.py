@@ -97,6 +97,7 @@ def _bad_files(tmp: Path) -> dict[str, tuple[Path, str]]:
     }
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kind", ["missing", "directory", "text", "truncated", "float", "empty"])
 def test_unreadable_input_file_exits_3(tmp_path, kind):
     path, words = _bad_files(tmp_path)[kind]
@@ -133,6 +134,7 @@ def test_wav_layouts_are_converted_and_transcribed(service, tmp_path):
 # ---- command line and settings -------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("args,env,words", [
     (["transcribe", str(WEATHER), "--url", "notaurl"], {}, "--url"),
     (["transcribe", str(WEATHER), "--url", "ftp://host/x"], {}, "http:// or https://"),
@@ -157,6 +159,7 @@ def test_bad_command_line_or_setting(args, env, words):
         assert "cannot read /nonexistent/base.pt" in line
 
 
+@pytest.mark.fast
 def test_model_from_a_file_that_is_not_a_checkpoint_exits_3(tmp_path):
     notes = tmp_path / "base.pt"
     notes.write_text("not a checkpoint\n")
@@ -164,6 +167,7 @@ def test_model_from_a_file_that_is_not_a_checkpoint_exits_3(tmp_path):
     assert_fails(proc, cli.EXIT_INPUT, f"{notes} is not an openai-whisper checkpoint")
 
 
+@pytest.mark.fast
 def test_gunicorn_config_rejects_a_bad_setting_in_one_line():
     import os
     proc = subprocess.run([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py",
@@ -210,16 +214,19 @@ def tls_server(tmp_path):
     server.server_close()
 
 
+@pytest.mark.fast
 def test_nothing_listening_exits_4():
     proc = run("transcribe", str(WEATHER), "--url", f"http://127.0.0.1:{free_port()}")
     assert_fails(proc, cli.EXIT_UNREACHABLE, "connection refused")
 
 
+@pytest.mark.fast
 def test_unknown_host_exits_4():
     proc = run("transcribe", str(WEATHER), "--url", "http://no-such-host.invalid:5000")
     assert_fails(proc, cli.EXIT_UNREACHABLE, "cannot resolve", "no-such-host.invalid")
 
 
+@pytest.mark.fast
 def test_a_server_that_is_not_cosyvoice_exits_4(web_server):
     proc = run("transcribe", str(WEATHER), "--url", f"http://{web_server}")
     assert_fails(proc, cli.EXIT_UNREACHABLE, "not a cosyvoice service")
@@ -227,6 +234,7 @@ def test_a_server_that_is_not_cosyvoice_exits_4(web_server):
     assert_fails(proc, cli.EXIT_UNREACHABLE, "TLS", "does it serve https?")
 
 
+@pytest.mark.fast
 def test_an_untrusted_certificate_exits_4(tls_server):
     proc = run("transcribe", str(WEATHER), "--url", f"https://{tls_server}")
     assert_fails(proc, cli.EXIT_UNREACHABLE, "certificate", "not trusted", "--insecure")

@@ -33,6 +33,7 @@ def cases():
 
 @pytest.mark.parametrize("n, mask, payload", list(cases()),
                          ids=lambda v: str(v) if isinstance(v, int) else None)
+@pytest.mark.fast
 def test_unmask_is_byte_identical_to_gevent_websocket(n, mask, payload):
     expected = original(payload, mask, n)
     for given in (payload, bytearray(payload)):
@@ -42,6 +43,7 @@ def test_unmask_is_byte_identical_to_gevent_websocket(n, mask, payload):
     assert fastws.xor_mask(fastws.xor_mask(payload, mask, n), mask, n) == payload
 
 
+@pytest.mark.fast
 def test_bytes_past_the_declared_length_are_left_alone_like_the_original():
     payload, mask = os.urandom(40), os.urandom(4)
     assert fastws.xor_mask(payload, mask, 33) == original(payload, mask, 33)
@@ -51,6 +53,7 @@ def test_bytes_past_the_declared_length_are_left_alone_like_the_original():
         fastws.xor_mask(payload, mask, 41)
 
 
+@pytest.mark.fast
 def test_create_app_installs_it_once_for_every_header(monkeypatch):
     from cosyvoice.webui import create_app
     from cosyvoice.settings import Settings

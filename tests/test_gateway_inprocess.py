@@ -12,9 +12,12 @@ import redis
 from cosyvoice import bus as busmod
 from cosyvoice.protocol import encode_chunk
 from cosyvoice.settings import Settings
-from cosyvoice.webui import NAMESPACE, create_app
+from cosyvoice.protocol import NAMESPACE
+from cosyvoice.webui import create_app
 
 from .inprocess import open_test_client
+
+pytestmark = pytest.mark.fast
 
 CHUNK = b"\x01\x00" * 3200  # 200 ms at 16 kHz
 

@@ -19,6 +19,9 @@ def _format(record: logging.LogRecord) -> dict:
     return json.loads(logs.JsonFormatter().format(record))
 
 
+pytestmark = pytest.mark.fast
+
+
 def test_log_records_are_one_json_line_with_session_and_event():
     logger = logging.getLogger("cosyvoice.test")
     record = logger.makeRecord("cosyvoice.test", logging.INFO, __file__, 1, "session %s opened",

@@ -7,11 +7,15 @@ import json
 import shutil
 import subprocess
 
+import pytest
+
 from cosyvoice.protocol import decode_chunk
 
 from .helpers import ROOT
 
 NODE = shutil.which("node") or "node"
+
+pytestmark = pytest.mark.fast
 
 
 def test_node_unit_tests_of_capture_and_session_logic_pass():

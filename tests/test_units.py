@@ -17,6 +17,7 @@ from cosyvoice.settings import Settings
 
 from .helpers import FIXTURES, direct_decode, fixture_texts, read_pcm, wer
 
+pytestmark = pytest.mark.fast
 
 # ---- settings -----------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import socketio
 
-from cosyvoice import model_data
+from cosyvoice.asr import model_data
 from cosyvoice.asr import WHISPER_BACKENDS
 from cosyvoice.asr.whisper_engine import CT2Whisper, TorchWhisper, _float_audio
 from cosyvoice.client import transcribe_pcm
@@ -66,11 +66,13 @@ def torch_backend(model_dir):
 # ---- model data -----------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_joined_model_data_has_the_published_digest(model_dir):
     path = model_dir / model_data.CT2_DIR_NAME / "model.bin"
     assert model_data.verify_file(path) == model_data.MODEL_SHA256
 
 
+@pytest.mark.fast
 def test_a_tampered_part_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
     parts, data_dir = model_data._part_files()
     bad = tmp_path / "parts"
@@ -91,6 +93,7 @@ def test_a_tampered_part_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
     assert not list((tmp_path / "out" / model_data.CT2_DIR_NAME).glob("model.bin*"))
 
 
+@pytest.mark.fast
 def test_a_truncated_model_file_is_a_clear_error(tmp_path, model_dir):
     src = model_dir / model_data.CT2_DIR_NAME / "model.bin"
     cut = tmp_path / "model.bin"
@@ -100,6 +103,7 @@ def test_a_truncated_model_file_is_a_clear_error(tmp_path, model_dir):
         model_data.read_ct2(cut)
 
 
+@pytest.mark.fast
 def test_the_reader_splits_fused_attention_and_drops_the_zero_key_bias(model_dir):
     ct2 = model_data.read_ct2(model_dir / model_data.CT2_DIR_NAME / "model.bin")
     dims, state = model_data.ct2_to_whisper(ct2)
@@ -118,12 +122,14 @@ def test_the_reader_splits_fused_attention_and_drops_the_zero_key_bias(model_dir
     assert all(tuple(state[k].shape) == tuple(reference[k].shape) for k in state)
 
 
+@pytest.mark.fast
 def test_the_checkpoint_is_stored_in_the_inference_dtype(model_dir):
     import torch
     ckpt = torch.load(model_data.checkpoint_path(model_dir), mmap=True, weights_only=True)
     assert {t.dtype for t in ckpt["model_state_dict"].values()} == {torch.float32}
 
 
+@pytest.mark.fast
 def test_converter_reproduces_ctranslate2_greedy_tokens(model_dir, torch_backend):
     """The torch model's greedy tokens equal CTranslate2's (faster-whisper, float32)."""
     reference = CT2Whisper(str(model_dir / model_data.CT2_DIR_NAME), compute_type="float32")
@@ -135,6 +141,7 @@ def test_converter_reproduces_ctranslate2_greedy_tokens(model_dir, torch_backend
         assert ours, name
 
 
+@pytest.mark.fast
 def test_an_official_openai_checkpoint_can_be_used_instead(tmp_path, model_dir, torch_backend):
     """An openai-whisper checkpoint (fp16, ``dims`` + ``model_state_dict``) is re-stored
     in the inference dtype and decodes like the bundled data."""

@@ -206,6 +206,7 @@ class ExplodingModel:
         return Stream()
 
 
+@pytest.mark.fast
 def test_an_engine_failure_ends_only_its_session_with_an_internal_error(rds):
     from cosyvoice.asr import load_model
     from cosyvoice.settings import Settings

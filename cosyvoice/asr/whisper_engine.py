@@ -7,7 +7,7 @@ that text is the utterance's final, marked ``"engine": "whisper"``. A session ch
 its mode at connect: ``pocketsphinx`` (finals from PocketSphinx), ``2pass`` or
 ``whisper`` (Whisper finals only, no partials).
 
-Two backends decode the finals, on the same model data (``cosyvoice/model_data.py``):
+Two backends decode the finals, on the same model data (``cosyvoice/asr/model_data.py``):
 
 - ``torch``: openai-whisper's model and greedy decoding, with its own tiktoken
   tokenizer. The checkpoint is loaded with ``torch.load(mmap=True)`` and
@@ -164,7 +164,7 @@ class CT2Whisper:
 
 def load_backend(settings):
     """The configured final decoder; converts the model data on first use."""
-    from .. import model_data
+    from . import model_data
 
     backend = settings.whisper_backend
     if backend not in WHISPER_BACKENDS:

@@ -1,0 +1,286 @@
+"""The gateway: Socket.IO handlers on namespace ``/ws`` and each connection's state.
+
+It validates chunks and appends them to Redis, and relays results from Redis to the
+client; it never decodes audio. The gateway is WebSocket-only, so a connection lives in
+exactly one process: each process keeps its connections in memory and subscribes only to
+their result channels. Names: ``socket_id`` is a Socket.IO connection (python-socketio's
+``sid``), ``session`` a cosyvoice session id.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import gevent
+import redis
+from flask import request
+from flask_socketio import SocketIO
+from socketio.exceptions import ConnectionRefusedError as Refused
+
+from . import bus as busmod
+from . import metrics, tokens
+from .asr import ENGINE_MODES
+from .errors import (BadChunk, CosyvoiceError, Internal, Overloaded, RateLimited, SeqGap,
+                     SessionExpired, Unavailable)
+from .limits import ConnectRequest, TokenBucket, parse_auth
+from .protocol import CHUNK_MS, NAMESPACE, SUPPORTED_RATES, Chunk, decode_chunk
+from .relay import ChunkWriter, ResultRelay
+from .settings import Settings
+
+log = logging.getLogger("cosyvoice.gateway")
+
+
+@dataclass
+class Connection:
+    """One client connection's state; lives in the process that holds the socket."""
+
+    session: str
+    rate: int
+    conn_id: str
+    client: str
+    bucket: TokenBucket | None
+    next_seq: int = 0  # as the session was opened or resumed
+    created: float = field(default_factory=time.time)  # wall clock, for max_session_s
+    stopped: bool = False
+    mode: str = ""
+
+
+
+class Gateway:
+    """Socket.IO handlers bound to one settings object and one Redis client."""
+
+    def __init__(self, settings: Settings, socketio: SocketIO, client: redis.Redis,
+                 relay_results: bool = True):
+        self.settings = settings
+        self.socketio = socketio
+        self.bus = busmod.Bus(client, settings.stream_maxlen)
+        self.writer = ChunkWriter(self.bus)
+        self.relay = ResultRelay(client, self.bus, socketio, start=relay_results)
+        self.connections: dict[str, Connection] = {}
+        # Session modes the workers' engine offers (auth ``mode``); the first is the default.
+        self.modes = ENGINE_MODES.get(settings.engine, (settings.engine,))
+
+    def register(self) -> None:
+        on = self.socketio.on
+        on("connect", namespace=NAMESPACE)(self.on_connect)
+        on("disconnect", namespace=NAMESPACE)(self.on_disconnect)
+        # The hot path goes to python-socketio directly: Flask-SocketIO would build a
+        # Flask request context for every chunk (environ copy, URL matching, session
+        # object), about a tenth of the gateway's CPU under load, for nothing this
+        # handler uses. Errors are handled inside, as on_handler_error does for the rest.
+        self.socketio.server.on("audio_chunk", self.on_audio_chunk, namespace=NAMESPACE)
+        on("stop", namespace=NAMESPACE)(self.on_stop)
+        on("*", namespace=NAMESPACE)(self.on_unknown_event)
+        self.socketio.on_error(NAMESPACE)(self.on_handler_error)
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _emit_error(self, err: CosyvoiceError, socket_id: str | None = None) -> None:
+        self.socketio.emit("error", err.to_wire(), to=socket_id or request.sid,
+                           namespace=NAMESPACE)
+
+    def _limits(self) -> dict:
+        settings = self.settings
+        return {"max_chunk_ms": settings.max_chunk_ms, "sample_rates": list(SUPPORTED_RATES),
+                "grace_s": settings.session_grace_s, "max_session_s": settings.max_session_s,
+                "rate_limit_factor": settings.rate_limit_factor}
+
+    def _bucket(self) -> TokenBucket | None:
+        settings = self.settings
+        if settings.rate_limit_factor <= 0:
+            return None
+        return TokenBucket(settings.rate_limit_factor, settings.rate_limit_burst_s)
+
+    # ---- handlers ---------------------------------------------------------------------
+
+    def on_connect(self, auth=None):
+        """Open or resume a session. A refusal is a Socket.IO connect error,
+        ``{message, data}`` with the wire error (``{code, msg, ...}``) as ``data``.
+
+        Everything the client must see after connecting is emitted by a greenlet that
+        runs once the connect packet is out: events sent from inside this handler would
+        precede it and be dropped by clients.
+        """
+        notices: list[CosyvoiceError] = []
+        try:
+            req = parse_auth(auth, self.modes)
+            if self.settings.auth_secret:
+                tokens.verify(self.settings.auth_secret, req.token, self.settings.token_ttl_s)
+            conn = self._resume(req, notices) if req.session else None
+            resumed = conn is not None
+            if conn is None:
+                conn = self._open(req)
+        except CosyvoiceError as err:
+            log.info("connection refused: %s", err.code, extra={"event": "refuse"})
+            raise Refused(err.msg, err.to_wire()) from err
+        except redis.RedisError as exc:
+            log.warning("cannot open a session: %s", exc)
+            metrics.REDIS_ERRORS.inc()
+            err = Unavailable("the session store is unreachable")
+            raise Refused(err.msg, err.to_wire()) from exc
+        self.connections[request.sid] = conn
+        gevent.spawn(self._welcome, request.sid, conn, resumed, notices)
+        return True
+
+    def _welcome(self, socket_id: str, conn: Connection, resumed: bool,
+                 notices: list[CosyvoiceError]) -> None:
+        to = {"to": socket_id, "namespace": NAMESPACE}
+        for notice in notices:
+            self.socketio.emit("error", notice.to_wire(), **to)
+        self.socketio.emit("session", {
+            "session": conn.session, "resumed": resumed, "next_seq": conn.next_seq,
+            "sample_rate": conn.rate, "chunk_ms": CHUNK_MS, "mode": conn.mode,
+            "limits": self._limits()}, **to)
+        if resumed:
+            try:
+                self.relay.replay(conn.session)
+            except redis.RedisError as exc:
+                log.warning("replay of %s failed: %s", conn.session, exc)
+
+    def _open(self, req: ConnectRequest) -> Connection:
+        rate = req.sample_rate or self.settings.default_sample_rate
+        mode = req.mode or self.modes[0]
+        session = secrets.token_hex(12)
+        client = request.remote_addr or ""
+        if not self.bus.claim_client_slot(client, session, self.settings.max_sessions_per_client,
+                                          self.settings.max_session_s + self.settings.session_grace_s):
+            raise RateLimited(f"this address already holds "
+                              f"{self.settings.max_sessions_per_client} sessions")
+        try:
+            self.bus.create_session(session, rate, conn=request.sid, client=client, mode=mode)
+            admission = self.bus.admit(session)
+        except redis.RedisError:
+            self._discard(session, client)
+            raise
+        if not admission.admitted:
+            self._discard(session, client)
+            raise Overloaded("every ASR worker is busy; try again later",
+                             retry_after_ms=self.settings.overload_retry_ms)
+        # No result can come before the client's first chunk, which needs the session
+        # event that follows this handler.
+        try:
+            self.relay.subscribe(session, request.sid)
+        except redis.RedisError:
+            self.relay.unsubscribe(session)
+            self._discard(session, client)
+            raise
+        log.info("session opened", extra={"session": session, "event": "connect"})
+        return Connection(session=session, rate=rate, conn_id=request.sid, client=client,
+                          bucket=self._bucket(), mode=mode)
+
+    def _discard(self, session: str, client: str) -> None:
+        """Undo a session that is not going ahead (best effort: Redis may be down)."""
+        try:
+            self.bus.delete_session(session)
+            self.bus.release_client_slot(client, session)
+        except redis.RedisError as exc:
+            log.warning("could not discard session %s: %s", session, exc)
+
+    def _resume(self, req: ConnectRequest, notices: list) -> Connection | None:
+        info = self.bus.resume_session(req.session, request.sid)
+        if not info:
+            # Past the grace period: say so, then carry on with a fresh session.
+            notices.append(SessionExpired("the session expired; a new one was started"))
+            return None
+        conn = Connection(session=req.session, rate=int(info.get("rate", 16000)),
+                          conn_id=request.sid, client=info.get("client", ""),
+                          bucket=self._bucket(), next_seq=int(info.get("next_seq", 0)),
+                          created=int(info.get("created_ms", 0)) / 1000 or time.time(),
+                          mode=info.get("mode", self.modes[0]))
+        self.bus.hold_client_slot(conn.client, conn.session,
+                                  self.settings.max_session_s + self.settings.session_grace_s)
+        self.relay.subscribe(conn.session, request.sid, after=req.last_result or "-")
+        log.info("session resumed", extra={"session": conn.session, "event": "resume"})
+        return conn
+
+    def on_disconnect(self, reason=None):
+        conn = self.connections.pop(request.sid, None)
+        if conn is None:
+            return
+        try:
+            self.relay.unsubscribe(conn.session, request.sid)
+            if not conn.stopped:
+                grace = self.settings.session_grace_s
+                if self.bus.release_connection(conn.session, conn.conn_id, grace):
+                    self.bus.hold_client_slot(conn.client, conn.session, grace)
+        except redis.RedisError as exc:
+            metrics.REDIS_ERRORS.inc()
+            log.warning("disconnect cleanup of %s failed: %s", conn.session, exc)
+        log.info("session disconnected", extra={"session": conn.session, "event": "disconnect"})
+
+    @metrics.counts_chunks
+    def on_audio_chunk(self, socket_id: str, data=None):
+        """python-socketio handler (no Flask request context): the ack, or an error."""
+        conn = self.connections.get(socket_id)
+        try:
+            if conn is None or conn.stopped:
+                raise SessionExpired("this connection has no active session")
+            chunk = decode_chunk(data, conn.rate, self.settings.max_chunk_ms)
+            self._check_limits(conn, chunk)
+            conn.rate = chunk.sample_rate
+            return self._store(conn, chunk, data)
+        except CosyvoiceError as err:
+            self._emit_error(err, socket_id)
+            ack: dict[str, str | int] = {"error": err.code}
+            if err.seq is not None:
+                ack["seq"] = err.seq
+            return ack
+        except Exception as exc:  # noqa: BLE001 - as on_handler_error for the other events
+            log.error("handler failed", exc_info=exc)
+            self._emit_error(Internal("internal error"), socket_id)
+            return {"error": Internal.code}
+
+    def _check_limits(self, conn: Connection, chunk: Chunk) -> None:
+        duration = chunk.duration_s
+        if conn.bucket is not None and not conn.bucket.take(duration):
+            raise RateLimited("sending faster than the configured rate; resend later",
+                              seq=chunk.seq)
+        if time.time() - conn.created > self.settings.max_session_s:
+            raise SessionExpired("the session reached its maximum length", seq=chunk.seq)
+
+    def _store(self, conn: Connection, chunk: Chunk, pb: bytes) -> dict:
+        try:
+            reply = self.writer.append(conn.session, chunk, bytes(pb))
+        except gevent.Timeout as exc:
+            raise Unavailable("timed out storing the chunk", seq=chunk.seq) from exc
+        if isinstance(reply, Exception):
+            raise Unavailable("the session store is unreachable", seq=chunk.seq) from reply
+        status = reply.status
+        if status == busmod.AppendStatus.APPENDED:
+            return {"seq": chunk.seq}
+        if status == busmod.AppendStatus.DUPLICATE:
+            return {"seq": chunk.seq, "duplicate": True}
+        if status == busmod.AppendStatus.GAP:
+            raise SeqGap(expected=reply.next_seq, got=chunk.seq)
+        if status == busmod.AppendStatus.ENDED:
+            raise BadChunk("the stream already ended with last=true", seq=chunk.seq)
+        raise SessionExpired("the session no longer exists", seq=chunk.seq)
+
+    def on_stop(self, data=None):
+        conn = self.connections.get(request.sid)
+        if conn is None or conn.stopped:
+            return {"stopped": False}
+        conn.stopped = True
+        try:
+            self.relay.unsubscribe(conn.session, request.sid)
+            self.bus.delete_session(conn.session)
+            self.bus.release_client_slot(conn.client, conn.session)
+        except redis.RedisError as exc:
+            conn.stopped = False
+            metrics.REDIS_ERRORS.inc()
+            self._emit_error(Unavailable("could not delete the session"))
+            log.warning("stop of %s failed: %s", conn.session, exc)
+            return {"stopped": False}
+        log.info("session stopped", extra={"session": conn.session, "event": "stop"})
+        return {"stopped": True, "session": conn.session}
+
+    def on_unknown_event(self, event, *args):
+        self._emit_error(BadChunk(f"unknown event {str(event)[:64]!r}"))
+        return {"error": "bad_chunk"}
+
+    def on_handler_error(self, exc):
+        log.error("handler failed", exc_info=exc)
+        self._emit_error(Internal("internal error"))

@@ -1,0 +1,100 @@
+"""The worker pool: loads the model once, forks the worker processes, restarts any that die.
+
+Decoders are created in the parent, before fork, so the model's pages are shared between
+the processes (copy-on-write, and memory-mapped where the engine allows). The first
+SIGTERM drains every worker process (each hands its sessions over); a second kills them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+from . import bus as busmod
+from . import debug_mem
+from .asr import WHISPER_ENGINES, Model, load_model
+from .settings import Settings
+from .worker import Worker
+
+log = logging.getLogger("cosyvoice.worker")
+
+
+def _run_child(settings: Settings, model: Model) -> int:
+    after_fork = getattr(model, "after_fork", None)
+    if after_fork is not None:
+        after_fork()
+    client = busmod.connect(settings.redis_url, max_connections=8, blocking=False)
+    worker = Worker(settings, model, client)
+    stops = {"n": 0}
+
+    def on_term(signum, frame):
+        stops["n"] += 1
+        if stops["n"] > 1:
+            os._exit(1)
+        worker.request_stop()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    log.info("worker %s ready (engine %s, capacity %d)", worker.id, model.name,
+             settings.worker_capacity)
+    debug_mem.start("worker")
+    worker.run()
+    return 0
+
+
+def run_pool(settings: Settings, processes: int) -> int:
+    """Load the model once, fork ``processes`` workers, restart any that die.
+
+    Decoders are created here, before fork, so their model pages are shared between the
+    worker processes. The first SIGTERM drains every worker; a second one kills them.
+    """
+    if settings.engine in WHISPER_ENGINES:
+        # Whisper finals cost more than PocketSphinx's: admission counts them.
+        settings = settings.replace(worker_capacity=settings.whisper_worker_capacity)
+    model = load_model(settings.engine, settings)
+    model.preload(settings.worker_capacity)
+    children: dict[int, int] = {}
+    state = {"stopping": 0}
+
+    def spawn(slot: int) -> None:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _run_child(settings, model)
+            except BaseException:  # noqa: BLE001 - a child must never return into the parent
+                log.exception("worker process crashed")
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        children[pid] = slot
+
+    def on_term(signum, frame):
+        state["stopping"] += 1
+        sig = signal.SIGTERM if state["stopping"] == 1 else signal.SIGKILL
+        for pid in list(children):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    for slot in range(processes):
+        spawn(slot)
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        slot = children.pop(pid, None)
+        if slot is not None and not state["stopping"]:
+            log.warning("worker process %d exited (status %d); starting another", pid, status)
+            time.sleep(0.5)
+            spawn(slot)
+    return 0
+
