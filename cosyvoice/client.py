@@ -33,6 +33,7 @@ MAX_IN_FLIGHT = 64
 # Error codes after which the client rewinds and resends rather than giving up.
 RETRYABLE = {"unavailable", "rate_limited", "seq_gap"}
 RETRY_PAUSE_S = 0.5
+CHUNK_S = 0.2
 
 
 class TranscribeError(Exception):
@@ -112,6 +113,48 @@ def diagnose(url: str, ssl_verify: bool = True, timeout: float = 5.0) -> str | N
 
 
 @dataclass
+class SendWindow:
+    """Which chunk to send next, and when: the client's send rule, pure (no I/O, no clock
+    of its own). Chunks ``acked`` and below are stored by the server; ``next`` is the
+    next one to send; at most ``MAX_IN_FLIGHT`` are sent and not acknowledged."""
+
+    next: int = 0
+    acked: int = -1
+    pause_until: float = 0.0
+
+    def start(self, next_seq: int) -> None:
+        """A ``session`` event: the server has every chunk before ``next_seq``."""
+        self.next, self.acked = next_seq, next_seq - 1
+
+    def ack(self, seq: int) -> None:
+        self.acked = max(self.acked, seq)
+
+    def rewind(self, seq: int, now: float, pause_s: float = 0.0) -> None:
+        """Send again from ``seq`` (the server asked for it), after ``pause_s``."""
+        self.next = min(self.next, seq)
+        if pause_s:
+            self.pause_until = now + pause_s
+
+    def done(self, total: int) -> bool:
+        return self.acked >= total - 1
+
+    def wait(self, total: int, now: float, start: float, realtime: bool) -> float:
+        """Seconds to wait before sending ``next`` (0 or less: send it now)."""
+        if self.next >= total:
+            return 0.2  # everything is sent: wait for acks (or a rewind)
+        if self.next - self.acked > MAX_IN_FLIGHT:
+            return 0.05
+        waits = [self.pause_until - now]
+        if realtime:
+            waits.append(start + self.next * CHUNK_S - now)
+        return max(waits)
+
+    def take(self) -> int:
+        seq, self.next = self.next, self.next + 1
+        return seq
+
+
+@dataclass
 class Transcript:
     session: str = ""
     partials: list[dict] = field(default_factory=list)
@@ -153,15 +196,15 @@ class StreamingClient:
         self.session_info: dict = {}
         self._last_result: str | None = None
         self._final_utterances: set[int] = set()
-        self._lock = threading.Condition()
+        self._lock = threading.Condition()  # re-entrant: on_event may call back in
         self._ready = threading.Event()  # connected with a session
         self._done = threading.Event()  # end, or a fatal error
         self._refused = threading.Event()  # the last connection attempt was refused
         self._connect_failure = ""  # why the last attempt failed below the protocol
         self._ssl_verify = ssl_verify
-        self._next = 0  # next seq to send
-        self._acked = -1  # highest seq acknowledged
-        self._pause_until = 0.0
+        # Every handler runs on one of python-engineio's threads: ``result``, ``sent_at``,
+        # ``window`` (the send rule) and the private state change only under ``_lock``.
+        self.window = SendWindow()
         self._sio_args = {"reconnection": reconnect, "reconnection_attempts": 5,
                           "reconnection_delay": 1, "reconnection_delay_max": 2,
                           "ssl_verify": ssl_verify}
@@ -193,75 +236,72 @@ class StreamingClient:
             with self._lock:
                 if self.result.session and data["resumed"]:
                     self.result.resumes += 1
-                    self._next = data["next_seq"]
                 elif self.result.session:
                     # The old session expired: start the audio again in the new one.
                     self._restart()
                 self.result.session = data["session"]
                 self.session_info = data
-                self._acked = data["next_seq"] - 1
+                self.window.start(data["next_seq"])
                 self._lock.notify_all()
-            self._record("session", data)
+                self._record("session", data)
             self._ready.set()
 
         @on("text")
         def on_text(data):
-            self._last_result = data.get("id", self._last_result)
-            if data["type"] == "final":
-                if data["utterance"] in self._final_utterances:
-                    return
-                self._final_utterances.add(data["utterance"])
-                self.result.finals.append(data)
-            else:
-                self.result.partials.append(data)
-            self._record("text", data)
+            with self._lock:
+                self._last_result = data.get("id", self._last_result)
+                if data["type"] == "final":
+                    if data["utterance"] in self._final_utterances:
+                        return
+                    self._final_utterances.add(data["utterance"])
+                    self.result.finals.append(data)
+                else:
+                    self.result.partials.append(data)
+                self._record("text", data)
 
         @on("end")
         def on_end(data):
-            self._last_result = data.get("id", self._last_result)
-            self.result.ended = True
-            self._record("end", data)
+            with self._lock:
+                self._last_result = data.get("id", self._last_result)
+                self.result.ended = True
+                self._record("end", data)
+                self._lock.notify_all()
             self._done.set()
 
         @on("error")
         def on_error(data):
-            self.result.errors.append(data)
-            self._record("error", data)
             code = data.get("code")
             with self._lock:
+                self.result.errors.append(data)
+                self._record("error", data)
                 if code == "seq_gap" and "expected" in data:
-                    self._rewind(data["expected"], pause=False)
+                    self.window.rewind(data["expected"], time.monotonic())
                 elif code in RETRYABLE and "seq" in data:
-                    self._rewind(data["seq"], pause=True)
+                    self.window.rewind(data["seq"], time.monotonic(), RETRY_PAUSE_S)
                 elif code not in RETRYABLE and code != "session_expired":
                     self._done.set()
+                self._lock.notify_all()
 
         @self.sio.event(namespace=NAMESPACE)
         def connect_error(data=None):
             # a refusal carries the wire error as its data: {message, data: {code, msg}};
             # anything else is a connection that failed below the protocol
             wire = data.get("data") if isinstance(data, dict) else None
-            if not (isinstance(wire, dict) and "code" in wire):
-                message = data.get("message", data) if isinstance(data, dict) else data
-                self._connect_failure = str(message or "connection failed")
-                return
-            self.result.refusals.append(wire)
-            self._record("refused", wire)
+            with self._lock:
+                if not (isinstance(wire, dict) and "code" in wire):
+                    message = data.get("message", data) if isinstance(data, dict) else data
+                    self._connect_failure = str(message or "connection failed")
+                    return
+                self.result.refusals.append(wire)
+                self._record("refused", wire)
             self._refused.set()
 
         @self.sio.event(namespace=NAMESPACE)
         def disconnect(reason=None):
             self._ready.clear()
 
-    def _rewind(self, seq: int, pause: bool) -> None:
-        self._next = min(self._next, seq)
-        if pause:
-            self._pause_until = time.monotonic() + RETRY_PAUSE_S
-        self._lock.notify_all()
-
     def _restart(self) -> None:
-        self._next = 0
-        self._acked = -1
+        self.window = SendWindow()
         self._last_result = None
         self._final_utterances.clear()
         self.result.partials.clear()
@@ -296,7 +336,8 @@ class StreamingClient:
             if attempt == overload_retries:
                 break
             after_ms = refusal.get("retry_after_ms", 2000)
-            self._record("retry", {"code": "overloaded", "after_ms": after_ms})
+            with self._lock:
+                self._record("retry", {"code": "overloaded", "after_ms": after_ms})
             time.sleep(after_ms / 1000)
             self._new_sio()
         raise Refused("overloaded", f"the service stayed overloaded after "
@@ -314,16 +355,18 @@ class StreamingClient:
         """Send one chunk; with ``wait_ack`` block until the server acks it."""
         payload = encode_chunk(pcm, seq, last=last, sample_rate=sample_rate,
                                sent_ms=int(time.time() * 1000))
-        self.sent_at[seq] = time.monotonic()
+        with self._lock:
+            self.sent_at[seq] = time.monotonic()
         if wait_ack:
             return self.sio.call("audio_chunk", payload, namespace=NAMESPACE, timeout=timeout)
 
         def acked(*args):
-            if args and "error" not in args[0]:
-                with self._lock:
-                    self._acked = max(self._acked, args[0]["seq"])
+            if not args:
+                return
+            with self._lock:
+                if "error" not in args[0]:
+                    self.window.ack(args[0]["seq"])
                     self._lock.notify_all()
-            if args:
                 self.result.acks.append(args[0])
                 self._record("ack", args[0])
 
@@ -340,32 +383,21 @@ class StreamingClient:
             if not self._ready.wait(reconnect_timeout):
                 raise Unreachable("the connection was lost and not restored")
             with self._lock:
-                if self._acked >= len(chunks) - 1:
+                if self.window.done(len(chunks)):
                     return
-                seq = self._next
-                wait = self._wait_time(seq, len(chunks), start, pace)
+                wait = self.window.wait(len(chunks), time.monotonic(), start,
+                                         realtime=pace == "realtime")
                 if wait > 0:
                     self._lock.wait(min(wait, 0.2))
                     continue
-                self._next = seq + 1
+                seq = self.window.take()
             try:
                 self.send(chunks[seq], seq, last=seq == len(chunks) - 1,
                           sample_rate=rate if seq == 0 or rate != self.session_info.get("sample_rate") else 0)
             except socketio.exceptions.BadNamespaceError:
                 with self._lock:
-                    self._next = min(self._next, seq)
+                    self.window.rewind(seq, time.monotonic())
                 self._ready.clear()
-
-    def _wait_time(self, seq: int, total: int, start: float, pace: str) -> float:
-        now = time.monotonic()
-        if seq >= total:
-            return 0.2  # everything is sent: wait for acks (or a rewind)
-        if seq - self._acked > MAX_IN_FLIGHT:
-            return 0.05
-        waits = [self._pause_until - now]
-        if pace == "realtime":
-            waits.append(start + seq * 0.2 - now)
-        return max(waits)
 
     def wait_end(self, timeout: float = 30.0) -> bool:
         """Wait for ``end`` (or a fatal error); True when the stream ended."""

@@ -33,6 +33,47 @@ from .settings import Settings
 log = logging.getLogger("cosyvoice.gateway")
 
 
+# ---- rules (pure: no Redis, no socket) ---------------------------------------------------
+
+
+def ack_for(reply: busmod.AppendResult, seq: int) -> dict:
+    """The ack of a chunk from the append script's reply, or the error it deserves."""
+    status = reply.status
+    if status == busmod.AppendStatus.APPENDED:
+        return {"seq": seq}
+    if status == busmod.AppendStatus.DUPLICATE:
+        return {"seq": seq, "duplicate": True}
+    if status == busmod.AppendStatus.GAP:
+        raise SeqGap(expected=reply.next_seq, got=seq)
+    if status == busmod.AppendStatus.ENDED:
+        raise BadChunk("the stream already ended with last=true", seq=seq)
+    if status == busmod.AppendStatus.NO_SESSION:
+        raise SessionExpired("the session no longer exists", seq=seq)
+    raise Internal(f"unknown append status {status}", seq=seq)
+
+
+def error_ack(err: CosyvoiceError) -> dict:
+    """The ack of a refused chunk: its code, and its seq when the error names one."""
+    ack: dict[str, str | int] = {"error": err.code}
+    if err.seq is not None:
+        ack["seq"] = err.seq
+    return ack
+
+
+def session_limits(settings: Settings) -> dict:
+    """The limits a client is told in its ``session`` event."""
+    return {"max_chunk_ms": settings.max_chunk_ms, "sample_rates": list(SUPPORTED_RATES),
+            "grace_s": settings.session_grace_s, "max_session_s": settings.max_session_s,
+            "rate_limit_factor": settings.rate_limit_factor}
+
+
+def session_event(conn: "Connection", resumed: bool, limits: dict) -> dict:
+    """The ``session`` event that tells a client its session and where to go on."""
+    return {"session": conn.session, "resumed": resumed, "next_seq": conn.next_seq,
+            "sample_rate": conn.rate, "chunk_ms": CHUNK_MS, "mode": conn.mode,
+            "limits": limits}
+
+
 @dataclass
 class Connection:
     """One client connection's state; lives in the process that holds the socket."""
@@ -82,12 +123,6 @@ class Gateway:
         self.socketio.emit("error", err.to_wire(), to=socket_id or request.sid,
                            namespace=NAMESPACE)
 
-    def _limits(self) -> dict:
-        settings = self.settings
-        return {"max_chunk_ms": settings.max_chunk_ms, "sample_rates": list(SUPPORTED_RATES),
-                "grace_s": settings.session_grace_s, "max_session_s": settings.max_session_s,
-                "rate_limit_factor": settings.rate_limit_factor}
-
     def _bucket(self) -> TokenBucket | None:
         settings = self.settings
         if settings.rate_limit_factor <= 0:
@@ -130,10 +165,8 @@ class Gateway:
         to = {"to": socket_id, "namespace": NAMESPACE}
         for notice in notices:
             self.socketio.emit("error", notice.to_wire(), **to)
-        self.socketio.emit("session", {
-            "session": conn.session, "resumed": resumed, "next_seq": conn.next_seq,
-            "sample_rate": conn.rate, "chunk_ms": CHUNK_MS, "mode": conn.mode,
-            "limits": self._limits()}, **to)
+        self.socketio.emit("session", session_event(conn, resumed,
+                                                    session_limits(self.settings)), **to)
         if resumed:
             try:
                 self.relay.replay(conn.session)
@@ -224,10 +257,7 @@ class Gateway:
             return self._store(conn, chunk, data)
         except CosyvoiceError as err:
             self._emit_error(err, socket_id)
-            ack: dict[str, str | int] = {"error": err.code}
-            if err.seq is not None:
-                ack["seq"] = err.seq
-            return ack
+            return error_ack(err)
         except Exception as exc:  # noqa: BLE001 - as on_handler_error for the other events
             log.error("handler failed", exc_info=exc)
             self._emit_error(Internal("internal error"), socket_id)
@@ -248,16 +278,7 @@ class Gateway:
             raise Unavailable("timed out storing the chunk", seq=chunk.seq) from exc
         if isinstance(reply, Exception):
             raise Unavailable("the session store is unreachable", seq=chunk.seq) from reply
-        status = reply.status
-        if status == busmod.AppendStatus.APPENDED:
-            return {"seq": chunk.seq}
-        if status == busmod.AppendStatus.DUPLICATE:
-            return {"seq": chunk.seq, "duplicate": True}
-        if status == busmod.AppendStatus.GAP:
-            raise SeqGap(expected=reply.next_seq, got=chunk.seq)
-        if status == busmod.AppendStatus.ENDED:
-            raise BadChunk("the stream already ended with last=true", seq=chunk.seq)
-        raise SessionExpired("the session no longer exists", seq=chunk.seq)
+        return ack_for(reply, chunk.seq)
 
     def on_stop(self, data=None):
         conn = self.connections.get(request.sid)

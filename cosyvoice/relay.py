@@ -20,6 +20,7 @@ from gevent.queue import Queue
 
 from . import bus as busmod
 from . import metrics
+from .backoff import Backoff
 from .limits import result_id_key
 from .protocol import NAMESPACE, Chunk
 
@@ -29,8 +30,6 @@ log = logging.getLogger("cosyvoice.gateway")
 WRITE_BATCH = 256
 # How long a handler waits for its chunk to be stored before answering `unavailable`.
 WRITE_TIMEOUT_S = 10.0
-# Cap of the pause between attempts to reach Redis again.
-MAX_BACKOFF_S = 2.0
 
 
 class ChunkWriter:
@@ -133,7 +132,7 @@ class ResultRelay:
                 self._send(session, route, result_id, payload)
 
     def _run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff()
         lost = False
         while True:
             try:
@@ -148,13 +147,13 @@ class ResultRelay:
                     log.info("result subscriber reconnected; replaying missed results")
                     for session, route in list(self.routes.items()):
                         gevent.spawn(self._replay, session, route)
-                backoff = 0.1
+                backoff.succeeded()
             except redis.RedisError as exc:
                 lost = True
-                log.warning("result subscriber lost redis, retrying in %.1fs: %s", backoff, exc)
+                pause = backoff.failed()
+                log.warning("result subscriber lost redis, retrying in %.1fs: %s", pause, exc)
                 metrics.REDIS_ERRORS.inc()
-                gevent.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                gevent.sleep(pause)
                 continue
             if msg and msg["type"] == "message":
                 try:

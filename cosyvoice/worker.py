@@ -18,11 +18,13 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 import redis
 
 from . import bus as busmod
 from . import metrics, sweeper
+from .backoff import Backoff
 from .asr import Model, Stream
 from .protocol import parse_stored
 from .settings import Settings
@@ -45,8 +47,25 @@ PLACEMENT_DEFER_MS = 1000
 # sessions (5 → 0.25 ms), 20 ms for 400 (a null-engine worker in the transport benchmark).
 ROUND_PACE_PER_SESSION_S = 50e-6
 ROUND_PACE_MAX_S = 0.02
-# Backoff cap while Redis is unreachable.
-MAX_BACKOFF_S = 2.0
+
+
+def entry_results(session: str, entry_id: str, seq: int, last: bool, results: list[dict],
+                  checkpoint_of: Callable[[], dict]) -> tuple[list[dict], dict | None]:
+    """What one decoded audio entry publishes, and the checkpoint stored with it.
+
+    Every result carries its chunk's ``seq``. After ``last`` the session's ``end``
+    follows and the checkpoint says ``done`` (the session is finished; a worker that
+    finds it never decodes it again). After a final, the checkpoint is the stream's state
+    at this entry, so a worker taking over replays from here and sends the same finals.
+    Otherwise None: the stored checkpoint stays. Pure: ``checkpoint_of`` reads the
+    stream's state only when a checkpoint is due.
+    """
+    results = [{**r, "seq": r.get("seq", seq)} for r in results]
+    if last:
+        return results + [{"type": "end", "session": session, "seq": seq}], {"done": True}
+    if any(r["type"] == "final" for r in results):
+        return results, {**checkpoint_of(), "id": entry_id, "seq": seq}
+    return results, None
 
 
 @dataclass
@@ -83,7 +102,7 @@ class Worker:
         self.accepting = False
 
     def run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff()
         group_ready = False
         while self.accepting:
             try:
@@ -91,14 +110,14 @@ class Worker:
                     self.bus.ensure_group()
                     group_ready = True
                 self._round()
-                backoff = 0.1
+                backoff.succeeded()
             except redis.RedisError as exc:
                 # A restarted Redis has lost the consumer group: create it again.
                 group_ready = group_ready and "NOGROUP" not in str(exc)
-                log.warning("redis error in worker loop, retrying in %.1fs: %s", backoff, exc)
+                pause = backoff.failed()
+                log.warning("redis error in worker loop, retrying in %.1fs: %s", pause, exc)
                 metrics.REDIS_ERRORS.inc()
-                time.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                time.sleep(pause)
         self._hand_over()
 
     def _round(self) -> None:
@@ -228,15 +247,10 @@ class Worker:
             if msg.sample_rate:
                 s.rate = msg.sample_rate
             results = s.stream.feed(msg.pcm, s.rate)
-            checkpoint = None
             if msg.last:
                 results += s.stream.flush()
-                results.append({"type": "end", "session": sid})
-                checkpoint = {"done": True}
-            elif any(r["type"] == "final" for r in results):
-                checkpoint = {**s.stream.checkpoint, "id": entry_id, "seq": msg.seq}
-            for r in results:
-                r.setdefault("seq", msg.seq)
+            results, checkpoint = entry_results(sid, entry_id, msg.seq, msg.last, results,
+                                                lambda: s.stream.checkpoint)
             alive = self.bus.publish_results(sid, results, self.settings.result_ttl_s,
                                              checkpoint, done=msg.last)
             s.position, s.next_seq = entry_id, msg.seq + 1

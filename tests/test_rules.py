@@ -1,0 +1,176 @@
+"""The pure rules, without Redis or processes: backoff, the gateway's acks and session
+event, the worker's per-entry results and checkpoint, the client's send window, and the
+client's handlers driven from several threads with events out of order."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cosyvoice import bus as busmod
+from cosyvoice.backoff import Backoff
+from cosyvoice.client import MAX_IN_FLIGHT, SendWindow, StreamingClient
+from cosyvoice.errors import BadChunk, Internal, SeqGap, SessionExpired
+from cosyvoice.gateway import (Connection, ack_for, error_ack, session_event,
+                               session_limits)
+from cosyvoice.protocol import NAMESPACE
+from cosyvoice.settings import Settings
+from cosyvoice.worker import entry_results
+
+pytestmark = pytest.mark.fast
+
+
+# ---- backoff ------------------------------------------------------------------------------
+
+
+def test_backoff_doubles_to_its_cap_and_starts_over_after_a_success():
+    backoff = Backoff(first_s=0.1, max_s=1.0)
+    assert [backoff.failed() for _ in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    backoff.succeeded()
+    assert backoff.failed() == 0.1
+
+
+# ---- gateway ------------------------------------------------------------------------------
+
+
+def _reply(status: int, next_seq: int = 0) -> busmod.AppendResult:
+    return busmod.AppendResult(status, next_seq)
+
+
+def test_each_append_status_has_its_ack_or_error():
+    assert ack_for(_reply(busmod.AppendStatus.APPENDED), 4) == {"seq": 4}
+    assert ack_for(_reply(busmod.AppendStatus.DUPLICATE), 4) == {"seq": 4, "duplicate": True}
+    with pytest.raises(SeqGap) as gap:
+        ack_for(_reply(busmod.AppendStatus.GAP, next_seq=2), 4)
+    assert gap.value.to_wire() == {"code": "seq_gap", "msg": "expected seq 2, got 4",
+                                   "seq": 4, "expected": 2}
+    with pytest.raises(BadChunk, match="already ended"):
+        ack_for(_reply(busmod.AppendStatus.ENDED), 4)
+    with pytest.raises(SessionExpired):
+        ack_for(_reply(busmod.AppendStatus.NO_SESSION), 4)
+    with pytest.raises(Internal):
+        ack_for(_reply(7), 4)
+
+
+def test_a_refused_chunk_is_acked_with_its_code_and_seq_when_known():
+    assert error_ack(SeqGap(expected=2, got=4)) == {"error": "seq_gap", "seq": 4}
+    assert error_ack(BadChunk("not protobuf")) == {"error": "bad_chunk"}
+
+
+def test_the_session_event_says_where_to_go_on_and_the_limits():
+    settings = Settings(max_chunk_ms=800, session_grace_s=5.0)
+    conn = Connection(session="abc", rate=8000, conn_id="sock", client="1.2.3.4", bucket=None,
+                      next_seq=7, mode="pocketsphinx")
+    event = session_event(conn, True, session_limits(settings))
+    assert event == {"session": "abc", "resumed": True, "next_seq": 7, "sample_rate": 8000,
+                     "chunk_ms": 200, "mode": "pocketsphinx",
+                     "limits": {"max_chunk_ms": 800, "sample_rates": [8000, 16000, 48000],
+                                "grace_s": 5.0, "max_session_s": 14400.0,
+                                "rate_limit_factor": 2.0}}
+
+
+# ---- worker -------------------------------------------------------------------------------
+
+
+def test_a_partial_entry_publishes_its_results_and_keeps_the_checkpoint():
+    def never():
+        raise AssertionError("no checkpoint is due")
+    results, checkpoint = entry_results("s", "5-0", 3, False,
+                                        [{"type": "partial", "text": "a"}], never)
+    assert results == [{"type": "partial", "text": "a", "seq": 3}] and checkpoint is None
+
+
+def test_a_final_entry_checkpoints_the_stream_at_that_entry():
+    results, checkpoint = entry_results(
+        "s", "9-1", 4, False, [{"type": "final", "text": "b", "seq": 2}],
+        lambda: {"cmn": "x", "utterance": 1})
+    assert results == [{"type": "final", "text": "b", "seq": 2}]  # an engine's own seq stays
+    assert checkpoint == {"cmn": "x", "utterance": 1, "id": "9-1", "seq": 4}
+
+
+def test_the_last_entry_ends_the_session_and_marks_it_done():
+    results, checkpoint = entry_results("s", "9-2", 5, True,
+                                        [{"type": "final", "text": "c"}], lambda: {"x": 1})
+    assert results[-1] == {"type": "end", "session": "s", "seq": 5}
+    assert results[0]["seq"] == 5 and checkpoint == {"done": True}
+
+
+# ---- client send window ---------------------------------------------------------------------
+
+
+def test_the_window_paces_real_time_and_caps_what_is_in_flight():
+    w = SendWindow()
+    w.start(0)
+    assert w.wait(10, now=100.0, start=100.0, realtime=True) <= 0
+    assert w.take() == 0
+    assert w.wait(10, now=100.0, start=100.0, realtime=True) == pytest.approx(0.2)
+    assert w.wait(10, now=100.0, start=100.0, realtime=False) <= 0  # --pace fast
+    for _ in range(MAX_IN_FLIGHT):
+        w.take()
+    assert w.wait(10_000, now=200.0, start=100.0, realtime=False) == 0.05  # none acked
+    w.ack(MAX_IN_FLIGHT - 1)
+    assert w.wait(10_000, now=200.0, start=100.0, realtime=False) <= 0
+
+
+def test_the_window_rewinds_pauses_and_resumes_where_the_server_says():
+    w = SendWindow()
+    for _ in range(5):
+        w.take()
+    w.ack(1)
+    w.rewind(2, now=50.0, pause_s=0.5)  # rate_limited at seq 2
+    assert w.next == 2 and w.wait(10, now=50.1, start=0.0, realtime=False) == pytest.approx(0.4)
+    w.rewind(4, now=50.0)  # a later rewind never skips ahead
+    assert w.next == 2
+    w.start(3)  # resumed: the server has 0-2
+    assert (w.next, w.acked, w.done(4)) == (3, 2, False)
+    assert w.take() == 3
+    assert w.wait(4, now=60.0, start=0.0, realtime=False) == 0.2  # all sent: wait for acks
+    w.ack(3)
+    assert w.done(4)
+
+
+# ---- client handlers on several threads -------------------------------------------------------
+
+
+def _handlers(client: StreamingClient) -> dict:
+    return client.sio.handlers[NAMESPACE]
+
+
+def test_the_client_keeps_one_consistent_state_when_events_race_on_threads():
+    client = StreamingClient("http://127.0.0.1:9")
+    on = _handlers(client)
+    on["session"]({"session": "s1", "resumed": False, "next_seq": 0, "sample_rate": 16000})
+    finals = [{"type": "final", "utterance": u % 20, "text": f"w{u % 20}", "id": f"{u}-0",
+               "seq": u, "start": 0, "end": 1} for u in range(200)]
+    partials = [{"type": "partial", "utterance": 99, "text": "p", "id": f"{u}-1", "seq": u}
+                for u in range(200)]
+    errors = [{"code": "rate_limited", "msg": "slow down", "seq": s} for s in range(50, 0, -1)]
+    barrier = threading.Barrier(4)
+
+    def run(events, handler):
+        barrier.wait()
+        for e in events:
+            on[handler](e)
+
+    threads = [threading.Thread(target=run, args=args) for args in
+               ((finals[::-1], "text"), (partials, "text"), (errors, "error"),
+                (finals, "text"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    # every utterance's final once, whatever the order; every partial; every error
+    assert sorted(f["utterance"] for f in client.result.finals) == list(range(20))
+    assert len(client.result.partials) == 200 and len(client.result.errors) == 50
+    assert client.window.next == 0  # rewound to the lowest seq asked for
+    assert len(client.result.events) == 20 + 200 + 50 + 1
+    # an end that overtakes the last final: the stream ends, the late final still counts
+    on["end"]({"session": "s1", "id": "900-0"})
+    on["text"]({"type": "final", "utterance": 20, "text": "late", "id": "899-0", "seq": 9,
+                "start": 0, "end": 1})
+    assert client.result.ended and client.result.finals[-1]["text"] == "late"
+    # a resume after the session expired starts the audio again in the new session
+    on["session"]({"session": "s2", "resumed": False, "next_seq": 0, "sample_rate": 16000})
+    assert client.result.session == "s2" and client.result.finals == []
+    assert (client.window.next, client.window.acked) == (0, -1)
