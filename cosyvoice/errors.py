@@ -7,8 +7,6 @@ class CosyvoiceError(Exception):
     """Base of every error a client can be told about; ``code`` goes on the wire."""
 
     code = "internal"
-    #: Whether the connection is closed after this error is sent.
-    fatal = False
 
     def __init__(self, msg: str, seq: int | None = None):
         super().__init__(msg)
@@ -57,7 +55,6 @@ class RateLimited(CosyvoiceError):
 
 class Overloaded(CosyvoiceError):
     code = "overloaded"
-    fatal = True
 
     def __init__(self, msg: str, retry_after_ms: int):
         super().__init__(msg)
@@ -69,7 +66,6 @@ class Overloaded(CosyvoiceError):
 
 class Unauthorized(CosyvoiceError):
     code = "unauthorized"
-    fatal = True
 
 
 class SessionExpired(CosyvoiceError):
@@ -86,6 +82,6 @@ class Internal(CosyvoiceError):
 
 ERROR_CODES = tuple(
     cls.code
-    for cls in (BadChunk, TooLarge, SeqGap, UnsupportedRate, RateLimited, Overloaded,
-                Unauthorized, SessionExpired, Unavailable, Internal)
+    for cls in (BadChunk, TooLarge, SeqGap, UnsupportedRate, UnsupportedMode, RateLimited,
+                Overloaded, Unauthorized, SessionExpired, Unavailable, Internal)
 )

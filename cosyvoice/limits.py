@@ -14,7 +14,6 @@ from .protocol import SUPPORTED_RATES
 MAX_AUTH_BYTES = 4096
 _SESSION_ID = re.compile(r"^[0-9a-f]{24}$")
 _RESULT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
-_KNOWN_KEYS = {"token", "session", "last_result", "sample_rate", "network_hint", "mode"}
 
 
 @dataclass(frozen=True)

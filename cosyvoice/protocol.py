@@ -31,7 +31,6 @@ class Chunk:
     last: bool
     sample_rate: int
     sent_ms: int
-    rate_changed: bool = False
 
     @property
     def duration_s(self) -> float:
@@ -98,7 +97,7 @@ def decode_chunk(data, current_rate: int, max_chunk_ms: int) -> Chunk:
     if not msg.pcm and not msg.last:
         raise BadChunk("empty chunk: pcm may be empty only with last=true", seq=msg.seq)
     return Chunk(pcm=msg.pcm, seq=msg.seq, last=msg.last, sample_rate=rate,
-                 sent_ms=msg.sent_ms, rate_changed=rate != current_rate)
+                 sent_ms=msg.sent_ms)
 
 
 def parse_stored(data: bytes) -> AudioChunkProto:

@@ -68,7 +68,7 @@ class Settings:
     # process, and the processes already use every core.
     whisper_threads: int = 1
     # torch backend on the CPU: bf16 arithmetic inside fp32 matrix products where the CPU
-    # has bf16 instructions (weights stay fp32 and shared); 40 % less CPU per final.
+    # has bf16 instructions (weights stay fp32 and shared); 32 % less CPU per final.
     whisper_cpu_bf16: bool = True
     # "cpu" or "cuda"; empty picks CUDA when torch sees a GPU.
     whisper_device: str = ""

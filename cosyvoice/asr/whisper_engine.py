@@ -56,7 +56,7 @@ class TorchWhisper:
         self.threads = threads
         # bf16 arithmetic in oneDNN's fp32 matmuls and convolutions, on CPUs that have it
         # (AVX512-BF16, AMX): the weights stay fp32 and shared; each product converts its
-        # operands on the fly. 40 % less CPU per short final (docs/benchmarks.md).
+        # operands on the fly. 32 % less CPU per 3 s final (docs/benchmarks.md).
         self.cpu_bf16 = (cpu_bf16 and self.device == "cpu"
                          and torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if self.device == "cpu":
