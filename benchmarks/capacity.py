@@ -82,8 +82,9 @@ def _dist(values: list[float], qs=(50, 95, 99)) -> dict:
 class Client(threading.Thread):
     """One microphone: real-time sessions back to back until the deadline."""
 
-    def __init__(self, url: str, deadline: float, seed: int):
+    def __init__(self, url: str, deadline: float, seed: int, tail: bytes = GAP):
         super().__init__(daemon=True)
+        self.tail = tail  # what follows a session's last utterance
         self.url = url
         self.deadline = deadline
         self.rng = random.Random(seed)
@@ -96,7 +97,7 @@ class Client(threading.Thread):
     def run(self) -> None:
         while time.monotonic() < self.deadline:
             picks = self.rng.sample(self.utterances, self.rng.randint(1, 3))
-            self._session(GAP.join(picks) + GAP)
+            self._session(GAP.join(picks) + self.tail)
 
     def _session(self, pcm: bytes) -> None:
         c = StreamingClient(self.url)

@@ -68,15 +68,6 @@ class PlacementSampler(threading.Thread):
                 self.spreads.append(max(per_process) - min(per_process))
 
 
-class SpeechEndClient(Client):
-    """Sessions whose audio ends with the speech: ``last`` ends the utterance."""
-
-    def run(self) -> None:
-        while time.monotonic() < self.deadline:
-            picks = self.rng.sample(self.utterances, self.rng.randint(1, 3))
-            self._session(GAP.join(picks))
-
-
 def run_level(sessions: int, workers: int, seconds: float, root: Path,
               tail: str = "none") -> dict:
     env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
@@ -87,8 +78,9 @@ def run_level(sessions: int, workers: int, seconds: float, root: Path,
         before = meter.sample()
         sampler.start()
         deadline = time.monotonic() + seconds
-        kind = SpeechEndClient if tail == "none" else Client
-        clients = [kind(stack.url, deadline, seed=k) for k in range(sessions)]
+        # "none": the audio ends with the speech, so `last` ends the utterance
+        clients = [Client(stack.url, deadline, seed=k, tail=b"" if tail == "none" else GAP)
+                   for k in range(sessions)]
         for client in clients:  # all at once, as in a burst
             client.start()
         for client in clients:

@@ -26,14 +26,13 @@ from urllib.parse import urlsplit
 import socketio
 
 from .audio import split_chunks
-from .protocol import NAMESPACE, encode_chunk
+from .protocol import CHUNK_MS, NAMESPACE, encode_chunk
 
 # Chunks sent and not yet acknowledged, at most.
 MAX_IN_FLIGHT = 64
 # Error codes after which the client rewinds and resends rather than giving up.
 RETRYABLE = {"unavailable", "rate_limited", "seq_gap"}
 RETRY_PAUSE_S = 0.5
-CHUNK_S = 0.2
 
 
 class TranscribeError(Exception):
@@ -84,7 +83,7 @@ def diagnose(url: str, ssl_verify: bool = True, timeout: float = 5.0) -> str | N
             host, port, timeout=timeout, context=context)
     else:
         conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    path = (parts.path.rstrip("/") or "") + "/socket.io/?EIO=4&transport=polling"
+    path = parts.path.rstrip("/") + "/socket.io/?EIO=4&transport=polling"
     try:
         conn.request("GET", path)
         status = conn.getresponse().status
@@ -146,7 +145,7 @@ class SendWindow:
             return 0.05
         waits = [self.pause_until - now]
         if realtime:
-            waits.append(start + self.next * CHUNK_S - now)
+            waits.append(start + self.next * CHUNK_MS / 1000 - now)
         return max(waits)
 
     def take(self) -> int:

@@ -43,10 +43,14 @@ def _utc(created: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{int(created % 1 * 1000):03d}Z"
 
 
+def is_level(level: str) -> bool:
+    """Whether ``level`` names a logging level (any case, spaces around allowed)."""
+    return isinstance(logging.getLevelName(level.strip().upper()), int)
+
+
 def level_name(level: str) -> str:
     """A logging level name from COSYVOICE_LOG_LEVEL; INFO when it names none."""
-    name = level.strip().upper()
-    return name if isinstance(logging.getLevelName(name), int) else "INFO"
+    return level.strip().upper() if is_level(level) else "INFO"
 
 
 def dict_config(level: str = "INFO") -> dict:

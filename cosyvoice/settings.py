@@ -7,13 +7,13 @@ Each field's comment says why its default is what it is. CLI flags use the same 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass, fields
 from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
 from .asr import ENGINES, SUPPORTED_RATES, WHISPER_BACKENDS
+from .logs import is_level
 
 ENV_PREFIX = "COSYVOICE_"
 
@@ -83,7 +83,7 @@ class Settings:
     lease_ttl_ms: int = 5000
     # How often an owner renews its leases and heartbeat (well under the TTL).
     lease_renew_ms: int = 1000
-    # How often a worker looks for announcements whose owner died (XAUTOCLAIM).
+    # How often a worker looks for announcements whose owner died (placement's orphan check).
     claim_interval_ms: int = 1000
     # Approximate cap of the audio and result streams: 1000 chunks = 200 s of audio.
     stream_maxlen: int = 1000
@@ -244,8 +244,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "trusted_proxies": _at_least(0),
     "sweep_idle_s": _more_than(0),
     "overload_retry_ms": _at_least(0),
-    "log_level": ((lambda v: isinstance(logging.getLevelName(v.strip().upper()), int)),
-                  "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+    "log_level": (is_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
 }
 
 
