@@ -58,6 +58,7 @@ def texts() -> dict[str, str]:
 
 def normalizer():
     import warnings
+
     from whisper.normalizers import EnglishTextNormalizer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)

@@ -118,8 +118,9 @@ def _per_call(client, calls) -> float:
 
 
 def placement_cost(workers: int, capacity: int = 6) -> dict:
-    from cosyvoice.embedded_redis import EmbeddedRedis
     import redis as redislib
+
+    from cosyvoice.embedded_redis import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     try:

@@ -23,8 +23,16 @@ from socketio.exceptions import ConnectionRefusedError as Refused
 from . import bus as busmod
 from . import metrics, tokens
 from .asr import ENGINE_MODES
-from .errors import (BadChunk, CosyvoiceError, Internal, Overloaded, RateLimited, SeqGap,
-                     SessionExpired, Unavailable)
+from .errors import (
+    BadChunk,
+    CosyvoiceError,
+    Internal,
+    Overloaded,
+    RateLimited,
+    SeqGap,
+    SessionExpired,
+    Unavailable,
+)
 from .limits import ConnectRequest, TokenBucket, parse_auth
 from .protocol import CHUNK_MS, NAMESPACE, SUPPORTED_RATES, Chunk, decode_chunk
 from .relay import ChunkWriter, ResultRelay

@@ -16,8 +16,16 @@ import functools
 import os
 import time
 
-from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter,
-                               Gauge, Histogram, generate_latest, start_http_server)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import metrics_dir

@@ -24,8 +24,8 @@ import redis
 
 from . import bus as busmod
 from . import metrics, sweeper
-from .backoff import Backoff
 from .asr import Model, Stream
+from .backoff import Backoff
 from .protocol import parse_stored
 from .settings import Settings
 

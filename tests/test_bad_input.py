@@ -10,14 +10,14 @@ import time
 
 import pytest
 import redis
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cosyvoice import bus as busmod
 from cosyvoice import tokens
 from cosyvoice.errors import ERROR_CODES, CosyvoiceError
 from cosyvoice.limits import TokenBucket, parse_auth
-from cosyvoice.protocol import decode_chunk, encode_chunk
-from cosyvoice.protocol import NAMESPACE
+from cosyvoice.protocol import NAMESPACE, decode_chunk, encode_chunk
 from cosyvoice.settings import Settings
 from cosyvoice.webui import create_app
 

@@ -27,8 +27,16 @@ from cosyvoice.client import StreamingClient
 from cosyvoice.embedded_redis import EmbeddedRedis, free_port
 
 from .conftest import TEST_GRACE_S, start_service, stop_service
-from .helpers import (FIXTURES, direct_decode, fixture_texts, read_pcm, spawn, terminate,
-                      wait_http, wer)
+from .helpers import (
+    FIXTURES,
+    direct_decode,
+    fixture_texts,
+    read_pcm,
+    spawn,
+    terminate,
+    wait_http,
+    wer,
+)
 
 TEXTS = fixture_texts()
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

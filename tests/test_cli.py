@@ -25,8 +25,17 @@ from cosyvoice import cli, tokens
 from cosyvoice.audio import read_wav
 from cosyvoice.embedded_redis import free_port
 
-from .helpers import (FIXTURES, ROOT, direct_decode, fixture_texts, read_pcm, spawn, terminate,
-                      wait_http, wer)
+from .helpers import (
+    FIXTURES,
+    ROOT,
+    direct_decode,
+    fixture_texts,
+    read_pcm,
+    spawn,
+    terminate,
+    wait_http,
+    wer,
+)
 
 WEATHER = FIXTURES / "weather.wav"
 SECRET = "cli-test-secret"

@@ -22,9 +22,24 @@ from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.protocol import encode_chunk
 
 from .helpers import ROOT, direct_decode, fixture_texts, read_pcm, terminate, wait_for, wer
-from .stack import (COMPOSE, GATEWAY_COMMAND, WORKER_COMMAND, Gateway, Nginx, Stream,
-                    WorkerPool, nginx_args, render, render_env, scrape, start_gateway, trusting,
-                    start_nginx, start_worker, wait_workers)
+from .stack import (
+    COMPOSE,
+    GATEWAY_COMMAND,
+    WORKER_COMMAND,
+    Gateway,
+    Nginx,
+    Stream,
+    WorkerPool,
+    nginx_args,
+    render,
+    render_env,
+    scrape,
+    start_gateway,
+    start_nginx,
+    start_worker,
+    trusting,
+    wait_workers,
+)
 
 TEXTS = fixture_texts()
 DEBUG_MEM_ENV = {"DEBUG_MEM": "1", "DEBUG_MEM_INTERVAL_S": "1"}

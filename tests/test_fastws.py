@@ -55,9 +55,10 @@ def test_bytes_past_the_declared_length_are_left_alone_like_the_original():
 
 @pytest.mark.fast
 def test_create_app_installs_it_once_for_every_header(monkeypatch):
-    from cosyvoice.webui import create_app
-    from cosyvoice.settings import Settings
     import redis
+
+    from cosyvoice.settings import Settings
+    from cosyvoice.webui import create_app
 
     monkeypatch.setattr(Header, "mask_payload", fastws.ORIGINAL_MASK_PAYLOAD)
     monkeypatch.setattr(Header, "unmask_payload", fastws.ORIGINAL_MASK_PAYLOAD)

@@ -21,7 +21,7 @@ from cosyvoice.client import StreamingClient
 from cosyvoice.embedded_redis import EmbeddedRedis
 
 from .conftest import start_service, stop_service
-from .helpers import FIXTURES, read_pcm, wait_for
+from .helpers import read_pcm, wait_for
 from .netfault import CuttableProxy
 
 GRACE_S = 5.0

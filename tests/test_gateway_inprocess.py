@@ -10,9 +10,8 @@ import pytest
 import redis
 
 from cosyvoice import bus as busmod
-from cosyvoice.protocol import encode_chunk
+from cosyvoice.protocol import NAMESPACE, encode_chunk
 from cosyvoice.settings import Settings
-from cosyvoice.protocol import NAMESPACE
 from cosyvoice.webui import create_app
 
 from .inprocess import open_test_client

@@ -27,7 +27,17 @@ import redis
 from cosyvoice import bus as busmod
 from cosyvoice.embedded_redis import EmbeddedRedis, free_port
 
-from .helpers import FIXTURES, ROOT, fixture_texts, read_pcm, direct_decode, terminate, wait_for, wait_http, wer
+from .helpers import (
+    FIXTURES,
+    ROOT,
+    direct_decode,
+    fixture_texts,
+    read_pcm,
+    terminate,
+    wait_for,
+    wait_http,
+    wer,
+)
 from .test_locust import assert_clean, locust, stats
 
 WHISPER_PACKAGE = "openai-whisper==20250625"

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cosyvoice import bus as busmod
-from cosyvoice.client import StreamingClient, transcribe_pcm
 from cosyvoice.audio import split_chunks
+from cosyvoice.client import StreamingClient, transcribe_pcm
 
 from .conftest import TEST_GRACE_S
 from .helpers import FIXTURES, direct_decode, fixture_texts, read_pcm, wait_for, wer

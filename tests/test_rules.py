@@ -12,8 +12,7 @@ from cosyvoice import bus as busmod
 from cosyvoice.backoff import Backoff
 from cosyvoice.client import MAX_IN_FLIGHT, SendWindow, StreamingClient
 from cosyvoice.errors import BadChunk, Internal, SeqGap, SessionExpired
-from cosyvoice.gateway import (Connection, ack_for, error_ack, session_event,
-                               session_limits)
+from cosyvoice.gateway import Connection, ack_for, error_ack, session_event, session_limits
 from cosyvoice.protocol import NAMESPACE
 from cosyvoice.settings import Settings
 from cosyvoice.worker import entry_results

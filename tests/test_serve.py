@@ -13,7 +13,7 @@ import psutil
 from cosyvoice.client import transcribe_pcm
 from cosyvoice.embedded_redis import free_port
 
-from .helpers import ROOT, fixture_texts, read_pcm, wait_http, wer, direct_decode
+from .helpers import ROOT, direct_decode, fixture_texts, read_pcm, wait_http, wer
 
 
 def test_serve_runs_everything_and_ctrl_c_leaves_nothing_behind(artifacts):

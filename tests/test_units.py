@@ -242,6 +242,7 @@ def test_null_engine_answers_every_chunk_without_recognising():
 
 def test_readme_documents_every_setting():
     import dataclasses
+
     from .helpers import ROOT
     readme = (ROOT / "README.md").read_text()
     missing = [f.name for f in dataclasses.fields(Settings)
@@ -251,7 +252,9 @@ def test_readme_documents_every_setting():
 
 def test_endpointer_finds_each_utterance_and_is_freed():
     import gc
+
     import psutil
+
     from cosyvoice.asr.endpointer import Endpointer
 
     pcm = b"\0\0" * 8000 + read_pcm("weather") + b"\0\0" * 24000 + read_pcm("call") + b"\0\0" * 8000

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import socketio
 
-from cosyvoice.asr import model_data
-from cosyvoice.asr import WHISPER_BACKENDS
+from cosyvoice.asr import WHISPER_BACKENDS, model_data
 from cosyvoice.asr.whisper_engine import CT2Whisper, TorchWhisper, _float_audio
 from cosyvoice.client import transcribe_pcm
 from cosyvoice.embedded_redis import EmbeddedRedis

@@ -19,7 +19,7 @@ from cosyvoice.audio import split_chunks
 from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.protocol import encode_chunk
 
-from .helpers import fixture_texts, read_pcm, spawn, terminate, wait_for, wer, direct_decode
+from .helpers import direct_decode, fixture_texts, read_pcm, spawn, terminate, wait_for, wer
 
 LEASE_MS = 1000
 
