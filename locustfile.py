@@ -135,9 +135,11 @@ class ProbedClient(StreamingClient):
         self.probe = probe_factory(self)
         self.on_event = self.probe.on_event
 
-    def send(self, pcm: bytes, seq: int, **kwargs):
+    def send(self, pcm: bytes, seq: int, last: bool = False, sample_rate: int = 0,
+             wait_ack: bool = False, timeout: float = 10.0) -> dict | None:
         self.probe.sent(seq)
-        return super().send(pcm, seq, **kwargs)
+        return super().send(pcm, seq, last=last, sample_rate=sample_rate, wait_ack=wait_ack,
+                            timeout=timeout)
 
     def _bind(self) -> None:
         super()._bind()
@@ -166,6 +168,9 @@ class SpeechUser(User):
             raise RuntimeError("no 16 kHz speech files matched --speech")
         self.utterances = max(1, opts.utterances if opts else 3)
         self.token = (opts.token if opts else "") or None
+        if not self.host:
+            raise RuntimeError("no service to test: give --host https://… (or http://)")
+        self.url: str = self.host
 
     def _fire(self, name: str, ms: float, length: int, exception) -> None:
         self.environment.events.request.fire(
@@ -181,7 +186,7 @@ class SpeechUser(User):
     def stream_session(self) -> None:
         pcm = self._session_audio()
         chunks = len(split_chunks(pcm, 16000))
-        client = ProbedClient(self.host, lambda c: LatencyProbe(c, chunks, self._fire),
+        client = ProbedClient(self.url, lambda c: LatencyProbe(c, chunks, self._fire),
                               sample_rate=16000, token=self.token)
         probe = client.probe
         started = time.monotonic()

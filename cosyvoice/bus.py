@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import redis
+from redis.typing import EncodableT, KeyT, StreamIdT
 
 SESSIONS = "sessions"
 WORKER_GROUP = "workers"
@@ -346,8 +348,15 @@ class Announcement:
     sid: str
 
 
-class _SingleWrite:
-    """Sends a packed command or pipeline in one write.
+def text(value: bytes | str) -> str:
+    """A reply's string: this package's clients return bytes (no ``decode_responses``);
+    redis-py's types also allow str."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class _SingleWrite(redis.connection.AbstractConnection):
+    """Mixed into a connection class (``_single_write``): sends a packed command or
+    pipeline in one write.
 
     redis-py sends every argument over 6000 bytes (an audio chunk) as a write of its
     own, three per appended chunk; each write on a TCP socket is a system call and
@@ -417,8 +426,8 @@ class Bus:
 
     def announce(self, sid: str) -> str:
         """Announce a session whatever the capacity: a hand-over, or a test's setup."""
-        announcement = self.r.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN,
-                                   approximate=True).decode()
+        announcement = text(self.r.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN,
+                                        approximate=True))
         self.r.hset(session_key(sid), "announcement", announcement)
         return announcement
 
@@ -462,12 +471,14 @@ class Bus:
         Returns one ``AppendResult`` or exception per item.
         """
         replies = self._append_pipelined(items)
-        missing = [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
+        missing = [i for i, r in enumerate(replies)
+                   if isinstance(r, redis.exceptions.NoScriptError)]
         if missing:
             # The server lost its script cache (restart, SCRIPT FLUSH): none of these
             # ran. Load the script and run them again, in their order.
             self._append.sha = self.r.script_load(self._append.script)
-            for i, reply in zip(missing, self._append_pipelined([items[i] for i in missing])):
+            again = self._append_pipelined([items[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return [r if isinstance(r, Exception) else AppendResult(int(r[0]), int(r[1]))
                 for r in replies]
@@ -484,7 +495,7 @@ class Bus:
 
     def session_info(self, sid: str) -> dict[str, str]:
         raw = self.r.hgetall(session_key(sid))
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return {text(k): text(v) for k, v in raw.items()}
 
     def delete_session(self, sid: str) -> None:
         """Delete every key of the session and its announcement (it no longer counts
@@ -500,8 +511,8 @@ class Bus:
     def results_after(self, sid: str, after_id: str = "-", count: int = 1000):
         """Results stored after stream id ``after_id`` (exclusive), for replay."""
         start = "-" if after_id in ("", "-", None) else "(" + after_id
-        return [(mid.decode(), fields[b"r"].decode())
-                for mid, fields in self.r.xrange(text_key(sid), start, "+", count=count)]
+        return [(mid, fields[b"r"].decode())
+                for mid, fields in self._xrange(text_key(sid), start, count)]
 
     def live_workers(self) -> list[dict]:
         """Workers whose heartbeat has not lapsed: ``{id, capacity, load}``, where load
@@ -537,7 +548,8 @@ class Bus:
     def touch_announcements(self, consumer: str, msg_ids: list[str]) -> None:
         """Reset the idle time of announcements we own, so nobody claims them."""
         if msg_ids:
-            self.r.xclaim(SESSIONS, WORKER_GROUP, consumer, 0, msg_ids, justid=True)
+            ids: list[StreamIdT] = [*msg_ids]
+            self.r.xclaim(SESSIONS, WORKER_GROUP, consumer, 0, ids, justid=True)
 
     def ack_announcement(self, msg_id: str) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -562,28 +574,35 @@ class Bus:
         for sid in sids:
             self._renew(keys=[lease_key(sid), session_key(sid)], args=[worker_id, ttl_ms],
                         client=pipe)
-        return dict(zip(sids, (int(x) for x in pipe.execute()))) if sids else {}
+        return dict(zip(sids, (int(x) for x in pipe.execute()), strict=True)) if sids else {}
 
     def release_lease(self, sid: str, worker_id: str) -> None:
         self._release(keys=[lease_key(sid)], args=[worker_id])
 
     def read_audio(self, positions: dict[str, str], count: int, block_ms: int | None):
         """New audio entries of each session after its position: {sid: [(id, pb)]}."""
-        streams = {audio_key(sid): pos for sid, pos in positions.items()}
-        reply = self.r.xread(streams, count=count, block=block_ms)
+        streams: dict[KeyT, StreamIdT] = {audio_key(sid): pos for sid, pos in positions.items()}
+        # redis-py types the reply for every protocol and decoding mode; this client's
+        # is RESP2 bytes: [(key, [(id, {field: value})])].
+        reply: Any = self.r.xread(streams, count=count, block=block_ms)
         out: dict[str, list[tuple[str, bytes]]] = {}
         for key, entries in reply or []:
             sid = sid_from_channel(key.decode())
             out[sid] = [(mid.decode(), fields[b"pb"]) for mid, fields in entries]
         return out
 
+    def _xrange(self, key: str, start: str, count: int) -> list[tuple[str, dict[bytes, bytes]]]:
+        """XRANGE to the end as this package's clients return it (RESP2, bytes)."""
+        reply: Any = self.r.xrange(key, start, "+", count=count)
+        return [(mid.decode(), fields) for mid, fields in reply or []]
+
     def publish_results(self, sid: str, results: list[dict], ttl_s: int,
                         checkpoint: dict | None = None, done: bool = False) -> bool:
         """Store and publish results; False when the session no longer exists."""
         if not results and checkpoint is None and not done:
             return True
-        args = [self.stream_maxlen, ttl_s, json.dumps(checkpoint) if checkpoint else "",
-                1 if done else 0]
+        args: list[EncodableT] = [self.stream_maxlen, ttl_s,
+                                  json.dumps(checkpoint) if checkpoint else "", 1 if done else 0]
         args += [json.dumps(r, separators=(",", ":")) for r in results]
         return bool(self._publish(keys=[session_key(sid), text_key(sid), audio_key(sid)],
                                   args=args))
@@ -600,8 +619,8 @@ class Bus:
 
     def announcements(self, after: str = "-", count: int = 500) -> list[Announcement]:
         start = "-" if after == "-" else "(" + after
-        return [Announcement(mid.decode(), fields.get(b"sid", b"").decode())
-                for mid, fields in self.r.xrange(SESSIONS, start, "+", count=count)]
+        return [Announcement(mid, fields.get(b"sid", b"").decode())
+                for mid, fields in self._xrange(SESSIONS, start, count)]
 
     def last_activity_ms(self, sids: list[str]) -> dict[str, int | None]:
         """Time of each session's newest audio entry (or its creation); None if gone."""

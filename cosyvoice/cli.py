@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from .asr import SESSION_MODES
 from .settings import Settings, SettingsError, _parse
@@ -52,11 +54,21 @@ def _settings_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     group = parser.add_argument_group("settings (also COSYVOICE_<NAME> variables)")
     for f in dataclasses.fields(Settings):
-        kind = {"int": int, "float": float,
-                "bool": lambda raw, name=f.name: _parse(name, "bool", raw)}.get(str(f.type), str)
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind,
-                           default=None, metavar=str(f.type).upper())
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
+                           type=_flag_type(f.name, str(f.type)), default=None,
+                           metavar=str(f.type).upper())
     return parser
+
+
+def _flag_type(name: str, type_name: str) -> Callable[[str], Any]:
+    """How argparse reads a setting's flag (a bool as its variable is read)."""
+    if type_name == "int":
+        return int
+    if type_name == "float":
+        return float
+    if type_name == "bool":
+        return functools.partial(_parse, name, "bool")
+    return str
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -300,47 +312,63 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         raise CliError(EXIT_INPUT, str(exc)) from None
     if not pcm:
         raise CliError(EXIT_INPUT, f"{args.file} holds no audio")
-    partial_shown = {"len": 0}
-
-    def show(event: str, data: dict) -> None:
-        if args.json:
-            if event != "ack":
-                print(json.dumps({"event": event, **data}), flush=True)
-            return
-        if event == "text" and data["type"] == "partial":
-            line = f"  … {data['text']}"
-            pad = max(0, partial_shown["len"] - len(line))
-            sys.stderr.write("\r" + line + " " * pad)
-            sys.stderr.flush()
-            partial_shown["len"] = len(line)
-        elif event == "text":
-            if partial_shown["len"]:
-                sys.stderr.write("\r" + " " * partial_shown["len"] + "\r")
-                partial_shown["len"] = 0
-            words = " ".join(f"{w['word']}[{w['start']:.2f}-{w['end']:.2f} {w['conf']:.2f}]"
-                             for w in data.get("words", []))
-            print(f"[{data['start']:7.2f} - {data['end']:7.2f}] {data['text']}", flush=True)
-            if words:
-                print(f"    {words}", flush=True)
-        elif event == "error":
-            print(f"error {data.get('code')}: {data.get('msg')}", file=sys.stderr, flush=True)
-        elif event == "retry":
-            print(f"the service is {data['code']}; trying again in {data['after_ms']} ms",
-                  file=sys.stderr, flush=True)
-        elif event == "session" and data.get("resumed"):
-            print(f"reconnected; resuming at chunk {data['next_seq']}", file=sys.stderr, flush=True)
-
+    display = _Display(args.json)
     try:
-        result = _stream(args, pcm, rate, show)
+        result = _stream(args, pcm, rate, display.show)
     finally:
-        if partial_shown["len"]:  # the next line starts where the partial began
-            sys.stderr.write("\r" + " " * partial_shown["len"] + "\r")
+        display.clear_partial()  # the next line starts where the partial began
     if result.fatal_errors:
         error = result.fatal_errors[-1]
         raise CliError(EXIT_FAILED, f"the stream ended with error {error.get('code')}")
     if not result.ended:
         raise CliError(EXIT_FAILED, f"no end of the stream within {args.timeout:g} s")
     return EXIT_OK
+
+
+class _Display:
+    """What ``transcribe`` shows of each event: JSON lines, or the live terminal view
+    (partials rewritten in place on stderr, finals and their words on stdout)."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+        self.partial_len = 0
+
+    def show(self, event: str, data: dict) -> None:
+        if self.as_json:
+            if event != "ack":
+                print(json.dumps({"event": event, **data}), flush=True)
+        elif event == "text" and data["type"] == "partial":
+            self._partial(data["text"])
+        elif event == "text":
+            self._final(data)
+        elif event == "error":
+            print(f"error {data.get('code')}: {data.get('msg')}", file=sys.stderr, flush=True)
+        elif event == "retry":
+            print(f"the service is {data['code']}; trying again in {data['after_ms']} ms",
+                  file=sys.stderr, flush=True)
+        elif event == "session" and data.get("resumed"):
+            print(f"reconnected; resuming at chunk {data['next_seq']}", file=sys.stderr,
+                  flush=True)
+
+    def _partial(self, text: str) -> None:
+        line = f"  … {text}"
+        pad = max(0, self.partial_len - len(line))
+        sys.stderr.write("\r" + line + " " * pad)
+        sys.stderr.flush()
+        self.partial_len = len(line)
+
+    def _final(self, data: dict) -> None:
+        self.clear_partial()
+        words = " ".join(f"{w['word']}[{w['start']:.2f}-{w['end']:.2f} {w['conf']:.2f}]"
+                         for w in data.get("words", []))
+        print(f"[{data['start']:7.2f} - {data['end']:7.2f}] {data['text']}", flush=True)
+        if words:
+            print(f"    {words}", flush=True)
+
+    def clear_partial(self) -> None:
+        if self.partial_len:
+            sys.stderr.write("\r" + " " * self.partial_len + "\r")
+            self.partial_len = 0
 
 
 def _stream(args: argparse.Namespace, pcm: bytes, rate: int, show):

@@ -216,7 +216,7 @@ class StreamingClient:
     # ---- events -------------------------------------------------------------------------
 
     def _auth(self) -> dict:
-        auth = {"sample_rate": self.sample_rate}
+        auth: dict[str, int | str] = {"sample_rate": self.sample_rate}
         if self.token:
             auth["token"] = self.token
         if self.mode:
@@ -228,76 +228,76 @@ class StreamingClient:
         return auth
 
     def _bind(self) -> None:
-        on = lambda event: self.sio.on(event, namespace=NAMESPACE)  # noqa: E731
+        handlers = {"session": self._on_session, "text": self._on_text, "end": self._on_end,
+                    "error": self._on_error, "connect_error": self._on_connect_error,
+                    "disconnect": self._on_disconnect}
+        for event, handler in handlers.items():
+            self.sio.on(event, handler, namespace=NAMESPACE)
 
-        @on("session")
-        def on_session(data):
-            with self._lock:
-                if self.result.session and data["resumed"]:
-                    self.result.resumes += 1
-                elif self.result.session:
-                    # The old session expired: start the audio again in the new one.
-                    self._restart()
-                self.result.session = data["session"]
-                self.session_info = data
-                self.window.start(data["next_seq"])
-                self._lock.notify_all()
-                self._record("session", data)
-            self._ready.set()
+    # python-engineio's threads run these: each changes state under ``self._lock`` only.
 
-        @on("text")
-        def on_text(data):
-            with self._lock:
-                self._last_result = data.get("id", self._last_result)
-                if data["type"] == "final":
-                    if data["utterance"] in self._final_utterances:
-                        return
-                    self._final_utterances.add(data["utterance"])
-                    self.result.finals.append(data)
-                else:
-                    self.result.partials.append(data)
-                self._record("text", data)
+    def _on_session(self, data: dict) -> None:
+        with self._lock:
+            if self.result.session and data["resumed"]:
+                self.result.resumes += 1
+            elif self.result.session:
+                # The old session expired: start the audio again in the new one.
+                self._restart()
+            self.result.session = data["session"]
+            self.session_info = data
+            self.window.start(data["next_seq"])
+            self._lock.notify_all()
+            self._record("session", data)
+        self._ready.set()
 
-        @on("end")
-        def on_end(data):
-            with self._lock:
-                self._last_result = data.get("id", self._last_result)
-                self.result.ended = True
-                self._record("end", data)
-                self._lock.notify_all()
-            self._done.set()
-
-        @on("error")
-        def on_error(data):
-            code = data.get("code")
-            with self._lock:
-                self.result.errors.append(data)
-                self._record("error", data)
-                if code == "seq_gap" and "expected" in data:
-                    self.window.rewind(data["expected"], time.monotonic())
-                elif code in RETRYABLE and "seq" in data:
-                    self.window.rewind(data["seq"], time.monotonic(), RETRY_PAUSE_S)
-                elif code not in RETRYABLE and code != "session_expired":
-                    self._done.set()
-                self._lock.notify_all()
-
-        @self.sio.event(namespace=NAMESPACE)
-        def connect_error(data=None):
-            # a refusal carries the wire error as its data: {message, data: {code, msg}};
-            # anything else is a connection that failed below the protocol
-            wire = data.get("data") if isinstance(data, dict) else None
-            with self._lock:
-                if not (isinstance(wire, dict) and "code" in wire):
-                    message = data.get("message", data) if isinstance(data, dict) else data
-                    self._connect_failure = str(message or "connection failed")
+    def _on_text(self, data: dict) -> None:
+        with self._lock:
+            self._last_result = data.get("id", self._last_result)
+            if data["type"] == "final":
+                if data["utterance"] in self._final_utterances:
                     return
-                self.result.refusals.append(wire)
-                self._record("refused", wire)
-            self._refused.set()
+                self._final_utterances.add(data["utterance"])
+                self.result.finals.append(data)
+            else:
+                self.result.partials.append(data)
+            self._record("text", data)
 
-        @self.sio.event(namespace=NAMESPACE)
-        def disconnect(reason=None):
-            self._ready.clear()
+    def _on_end(self, data: dict) -> None:
+        with self._lock:
+            self._last_result = data.get("id", self._last_result)
+            self.result.ended = True
+            self._record("end", data)
+            self._lock.notify_all()
+        self._done.set()
+
+    def _on_error(self, data: dict) -> None:
+        code = data.get("code")
+        with self._lock:
+            self.result.errors.append(data)
+            self._record("error", data)
+            if code == "seq_gap" and "expected" in data:
+                self.window.rewind(data["expected"], time.monotonic())
+            elif code in RETRYABLE and "seq" in data:
+                self.window.rewind(data["seq"], time.monotonic(), RETRY_PAUSE_S)
+            elif code not in RETRYABLE and code != "session_expired":
+                self._done.set()
+            self._lock.notify_all()
+
+    def _on_connect_error(self, data=None) -> None:
+        # a refusal carries the wire error as its data: {message, data: {code, msg}};
+        # anything else is a connection that failed below the protocol
+        wire = data.get("data") if isinstance(data, dict) else None
+        with self._lock:
+            if not (isinstance(wire, dict) and "code" in wire):
+                message = data.get("message", data) if isinstance(data, dict) else data
+                self._connect_failure = str(message or "connection failed")
+                return
+            self.result.refusals.append(wire)
+            self._record("refused", wire)
+        self._refused.set()
+
+    def _on_disconnect(self, reason=None) -> None:
+        self._ready.clear()
 
     def _restart(self) -> None:
         self.window = SendWindow()
@@ -391,8 +391,10 @@ class StreamingClient:
                     continue
                 seq = self.window.take()
             try:
+                # the rate goes with the first chunk, and with any chunk after it changes
+                announce = seq == 0 or rate != self.session_info.get("sample_rate")
                 self.send(chunks[seq], seq, last=seq == len(chunks) - 1,
-                          sample_rate=rate if seq == 0 or rate != self.session_info.get("sample_rate") else 0)
+                          sample_rate=rate if announce else 0)
             except socketio.exceptions.BadNamespaceError:
                 with self._lock:
                     self.window.rewind(seq, time.monotonic())

@@ -39,8 +39,12 @@ class EmbeddedRedis:
                  persist: bool = False):
         self.persist = persist
         self.port = port or free_port()
-        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="cosyvoice-redis-")
-        self.dir = Path(workdir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if workdir:
+            self.dir = Path(workdir)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="cosyvoice-redis-")
+            self.dir = Path(self._tmp.name)
         self.proc: subprocess.Popen | None = None
 
     @property

@@ -14,7 +14,7 @@ class CosyvoiceError(Exception):
         self.seq = seq
 
     def to_wire(self) -> dict:
-        data = {"code": self.code, "msg": self.msg}
+        data: dict[str, str | int] = {"code": self.code, "msg": self.msg}
         if self.seq is not None:
             data["seq"] = self.seq
         return data

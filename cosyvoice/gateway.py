@@ -41,6 +41,13 @@ from .settings import Settings
 log = logging.getLogger("cosyvoice.gateway")
 
 
+def current_socket_id() -> str:
+    """The Socket.IO connection whose handler is running (Flask-SocketIO's ``request.sid``)."""
+    # Flask-SocketIO adds ``sid`` to Flask's request object; Flask's types do not know it.
+    socket_id: str = request.sid  # type: ignore[attr-defined]
+    return socket_id
+
+
 # ---- rules (pure: no Redis, no socket) ---------------------------------------------------
 
 
@@ -128,7 +135,7 @@ class Gateway:
     # ---- helpers ----------------------------------------------------------------------
 
     def _emit_error(self, err: CosyvoiceError, socket_id: str | None = None) -> None:
-        self.socketio.emit("error", err.to_wire(), to=socket_id or request.sid,
+        self.socketio.emit("error", err.to_wire(), to=socket_id or current_socket_id(),
                            namespace=NAMESPACE)
 
     def _bucket(self) -> TokenBucket | None:
@@ -148,24 +155,25 @@ class Gateway:
         precede it and be dropped by clients.
         """
         notices: list[CosyvoiceError] = []
+        socket_id = current_socket_id()
         try:
             req = parse_auth(auth, self.modes)
             if self.settings.auth_secret:
                 tokens.verify(self.settings.auth_secret, req.token, self.settings.token_ttl_s)
-            conn = self._resume(req, notices) if req.session else None
+            conn = self._resume(req, socket_id, notices) if req.session else None
             resumed = conn is not None
             if conn is None:
-                conn = self._open(req)
+                conn = self._open(req, socket_id)
         except CosyvoiceError as err:
             log.info("connection refused: %s", err.code, extra={"event": "refuse"})
             raise Refused(err.msg, err.to_wire()) from err
         except redis.RedisError as exc:
             log.warning("cannot open a session: %s", exc)
             metrics.REDIS_ERRORS.inc()
-            err = Unavailable("the session store is unreachable")
-            raise Refused(err.msg, err.to_wire()) from exc
-        self.connections[request.sid] = conn
-        gevent.spawn(self._welcome, request.sid, conn, resumed, notices)
+            unavailable = Unavailable("the session store is unreachable")
+            raise Refused(unavailable.msg, unavailable.to_wire()) from exc
+        self.connections[socket_id] = conn
+        gevent.spawn(self._welcome, socket_id, conn, resumed, notices)
         return True
 
     def _welcome(self, socket_id: str, conn: Connection, resumed: bool,
@@ -181,17 +189,18 @@ class Gateway:
             except redis.RedisError as exc:
                 log.warning("replay of %s failed: %s", conn.session, exc)
 
-    def _open(self, req: ConnectRequest) -> Connection:
+    def _open(self, req: ConnectRequest, socket_id: str) -> Connection:
         rate = req.sample_rate or self.settings.default_sample_rate
         mode = req.mode or self.modes[0]
         session = secrets.token_hex(12)
         client = request.remote_addr or ""
+        hold_s = self.settings.max_session_s + self.settings.session_grace_s
         if not self.bus.claim_client_slot(client, session, self.settings.max_sessions_per_client,
-                                          self.settings.max_session_s + self.settings.session_grace_s):
+                                          hold_s):
             raise RateLimited(f"this address already holds "
                               f"{self.settings.max_sessions_per_client} sessions")
         try:
-            self.bus.create_session(session, rate, conn=request.sid, client=client, mode=mode)
+            self.bus.create_session(session, rate, conn=socket_id, client=client, mode=mode)
             admission = self.bus.admit(session)
         except redis.RedisError:
             self._discard(session, client)
@@ -203,13 +212,13 @@ class Gateway:
         # No result can come before the client's first chunk, which needs the session
         # event that follows this handler.
         try:
-            self.relay.subscribe(session, request.sid)
+            self.relay.subscribe(session, socket_id)
         except redis.RedisError:
             self.relay.unsubscribe(session)
             self._discard(session, client)
             raise
         log.info("session opened", extra={"session": session, "event": "connect"})
-        return Connection(session=session, rate=rate, conn_id=request.sid, client=client,
+        return Connection(session=session, rate=rate, conn_id=socket_id, client=client,
                           bucket=self._bucket(), mode=mode)
 
     def _discard(self, session: str, client: str) -> None:
@@ -220,29 +229,32 @@ class Gateway:
         except redis.RedisError as exc:
             log.warning("could not discard session %s: %s", session, exc)
 
-    def _resume(self, req: ConnectRequest, notices: list) -> Connection | None:
-        info = self.bus.resume_session(req.session, request.sid)
+    def _resume(self, req: ConnectRequest, socket_id: str,
+                notices: list[CosyvoiceError]) -> Connection | None:
+        if req.session is None:
+            return None
+        info = self.bus.resume_session(req.session, socket_id)
         if not info:
             # Past the grace period: say so, then carry on with a fresh session.
             notices.append(SessionExpired("the session expired; a new one was started"))
             return None
         conn = Connection(session=req.session, rate=int(info.get("rate", 16000)),
-                          conn_id=request.sid, client=info.get("client", ""),
+                          conn_id=socket_id, client=info.get("client", ""),
                           bucket=self._bucket(), next_seq=int(info.get("next_seq", 0)),
                           created=int(info.get("created_ms", 0)) / 1000 or time.time(),
                           mode=info.get("mode", self.modes[0]))
         self.bus.hold_client_slot(conn.client, conn.session,
                                   self.settings.max_session_s + self.settings.session_grace_s)
-        self.relay.subscribe(conn.session, request.sid, after=req.last_result or "-")
+        self.relay.subscribe(conn.session, socket_id, after=req.last_result or "-")
         log.info("session resumed", extra={"session": conn.session, "event": "resume"})
         return conn
 
     def on_disconnect(self, reason=None):
-        conn = self.connections.pop(request.sid, None)
+        conn = self.connections.pop(current_socket_id(), None)
         if conn is None:
             return
         try:
-            self.relay.unsubscribe(conn.session, request.sid)
+            self.relay.unsubscribe(conn.session, current_socket_id())
             if not conn.stopped:
                 grace = self.settings.session_grace_s
                 if self.bus.release_connection(conn.session, conn.conn_id, grace):
@@ -289,12 +301,12 @@ class Gateway:
         return ack_for(reply, chunk.seq)
 
     def on_stop(self, data=None):
-        conn = self.connections.get(request.sid)
+        conn = self.connections.get(current_socket_id())
         if conn is None or conn.stopped:
             return {"stopped": False}
         conn.stopped = True
         try:
-            self.relay.unsubscribe(conn.session, request.sid)
+            self.relay.unsubscribe(conn.session, current_socket_id())
             self.bus.delete_session(conn.session)
             self.bus.release_client_slot(conn.client, conn.session)
         except redis.RedisError as exc:

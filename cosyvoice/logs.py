@@ -40,7 +40,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def _utc(created: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{int(created % 1 * 1000):03d}Z"
+    millis = int(created % 1 * 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{millis:03d}Z"
 
 
 def is_level(level: str) -> bool:

@@ -123,10 +123,8 @@ def exposition() -> tuple[bytes, str]:
     """(body, content type) of a gateway scrape: this process's metrics, or, in
     multi-process mode, those of every process writing to the same directory."""
     path = os.environ.get(metrics_dir.ENV)
-    if path:
-        source = MultiProcessCollector(None, path)
-    else:
-        source = REGISTRY
+    source: MultiProcessCollector | CollectorRegistry = (
+        MultiProcessCollector(None, path) if path else REGISTRY)
     return generate_latest(_Only(source, GATEWAY_METRICS)), CONTENT_TYPE_LATEST
 
 

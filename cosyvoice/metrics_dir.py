@@ -56,9 +56,9 @@ def prune_dead(path: str) -> None:
     """``mark_dead`` every process of this host whose gauge files outlived it."""
     pids = set()
     for name in glob.glob(os.path.join(path, "gauge_live*_*.db")):
-        pid = os.path.basename(name)[:-3].rsplit("_", 1)[-1]
-        if pid.isdigit():
-            pids.add(int(pid))
+        digits = os.path.basename(name)[:-3].rsplit("_", 1)[-1]
+        if digits.isdigit():
+            pids.add(int(digits))
     for pid in pids:
         if not _alive(pid):
             mark_dead(pid, path)

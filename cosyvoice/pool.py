@@ -44,6 +44,21 @@ def _run_child(settings: Settings, model: Model) -> int:
     return 0
 
 
+def _fork_child(settings: Settings, model) -> int:
+    """Fork a worker process; returns its pid (the child never returns)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = _run_child(settings, model)
+        except BaseException:  # noqa: BLE001 - a child must never return into the parent
+            log.exception("worker process crashed")
+        finally:
+            logging.shutdown()
+            os._exit(code)
+    return pid
+
+
 def run_pool(settings: Settings, processes: int) -> int:
     """Load the model once, fork ``processes`` workers, restart any that die.
 
@@ -59,17 +74,7 @@ def run_pool(settings: Settings, processes: int) -> int:
     state = {"stopping": 0}
 
     def spawn(slot: int) -> None:
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                code = _run_child(settings, model)
-            except BaseException:  # noqa: BLE001 - a child must never return into the parent
-                log.exception("worker process crashed")
-            finally:
-                logging.shutdown()
-                os._exit(code)
-        children[pid] = slot
+        children[_fork_child(settings, model)] = slot
 
     def on_term(signum, frame):
         state["stopping"] += 1
@@ -91,10 +96,10 @@ def run_pool(settings: Settings, processes: int) -> int:
             break
         except InterruptedError:
             continue
-        slot = children.pop(pid, None)
-        if slot is not None and not state["stopping"]:
+        lost = children.pop(pid, None)
+        if lost is not None and not state["stopping"]:
             log.warning("worker process %d exited (status %d); starting another", pid, status)
             time.sleep(0.5)
-            spawn(slot)
+            spawn(lost)
     return 0
 

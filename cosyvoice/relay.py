@@ -65,7 +65,7 @@ class ChunkWriter:
                 log.warning("redis append failed: %s", exc)
                 metrics.REDIS_ERRORS.inc()
                 replies = [exc] * len(batch)
-            for item, reply in zip(batch, replies):
+            for item, reply in zip(batch, replies, strict=True):
                 item[5].set(reply)
 
 

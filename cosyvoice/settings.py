@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from .asr import ENGINES, SUPPORTED_RATES, WHISPER_BACKENDS
@@ -131,11 +131,12 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Settings":
         """Settings from ``COSYVOICE_*`` variables, then non-None ``overrides`` on top."""
         environ = os.environ if environ is None else environ
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(cls):
             raw = environ.get(ENV_PREFIX + f.name.upper())
             if raw is not None:
-                values[f.name] = _parse(f.name, f.type, raw)
+                # the annotation's text (``from __future__ import annotations``)
+                values[f.name] = _parse(f.name, str(f.type), raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values).validate()
 
@@ -159,8 +160,7 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
-def _parse(name: str, type_name: str, raw: str):
-    type_name = str(type_name)
+def _parse(name: str, type_name: str, raw: str) -> bool | int | float | str:
     try:
         if type_name == "bool":
             low = raw.strip().lower()

@@ -13,7 +13,7 @@ def issue(secret: str, subject: str = "client") -> str:
     return URLSafeTimedSerializer(secret, salt=_SALT).dumps({"sub": subject})
 
 
-def verify(secret: str, token: str | None, max_age_s: float) -> str:
+def verify(secret: str, token: str | None, max_age_s: int) -> str:
     """The token's subject; raises ``Unauthorized`` when missing, forged or expired."""
     if not token:
         raise Unauthorized("a token is required")

