@@ -154,7 +154,52 @@ return 0
 # load is the number of announcements pending with it in the consumer group: it owns a
 # session exactly while it holds that session's announcement, so the count changes in the
 # same step as the ownership (XREADGROUP, XCLAIM, XACK) and is never stale.
-_WORKERS_PRELUDE = """
+#
+# The decisions themselves are pure Lua functions of their arguments (RULES, no
+# redis.call): tests/test_rules.py runs them in Lua 5.1, the version Redis embeds, without
+# Redis. The scripts gather the inputs, call a rule, and carry out its answer.
+RULES = """
+-- Admission: the session may open while the open sessions are fewer than the live
+-- workers' capacity. Returns admitted, capacity.
+local function admits(open, caps)
+  local capacity = 0
+  for _, c in ipairs(caps) do capacity = capacity + c end
+  return open < capacity, capacity
+end
+-- The least loaded other live worker with room (load / capacity): its load and capacity,
+-- or nil when there is none.
+local function least_loaded_other(me, ids, caps, load)
+  local best_l, best_c
+  for i, id in ipairs(ids) do
+    local c, l = caps[i], load[id] or 0
+    if id ~= me and c > 0 and l < c and (best_l == nil or l * best_c < best_l * c) then
+      best_l, best_c = l, c
+    end
+  end
+  return best_l, best_c
+end
+-- Whether a worker with `mine` of `mycap` sessions is the least loaded (ties take).
+local function is_least(mine, mycap, best_l, best_c)
+  return best_l == nil or mine * best_c <= best_l * mycap
+end
+-- Nothing can be placed: no orphan check asked for and nothing undelivered (age < 0).
+local function nothing_to_place(orphan_ms, age)
+  return orphan_ms == 0 and age < 0
+end
+-- How long a dead owner's session must have been idle before this worker claims it:
+-- one lease past its owner's death, and `defer_ms` more unless this worker is the least
+-- loaded.
+local function orphan_idle_ms(orphan_ms, defer_ms, least)
+  return orphan_ms + (least and 0 or defer_ms)
+end
+-- Whether this worker reads a new announcement: it is the least loaded, or the oldest
+-- undelivered one has waited `defer_ms` (`age` is a function: only then is it asked).
+local function takes_new(least, age, defer_ms)
+  return least or (age() or -1) >= defer_ms
+end
+"""
+
+_WORKERS_PRELUDE = RULES + """
 local G = 'workers'
 local function now_ms()
   local t = redis.call('TIME')
@@ -194,10 +239,9 @@ return out
 # Returns {1, announcement id, capacity} or {0, open sessions, capacity}.
 _ADMIT = _WORKERS_PRELUDE + """
 local _, caps = live_workers(now_ms())
-local capacity = 0
-for _, c in ipairs(caps) do capacity = capacity + c end
 local open = redis.call('XLEN', KEYS[1])
-if open >= capacity then return {0, open, capacity} end
+local admitted, capacity = admits(open, caps)
+if not admitted then return {0, open, capacity} end
 local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'sid', ARGV[1])
 return {1, id, capacity}
 """
@@ -237,26 +281,17 @@ end
 local age = undelivered_age()
 if age == nil then return redis.error_reply('NOGROUP the workers group is gone') end
 -- Most rounds find nothing to place: answer those without reading every worker's load.
-if orphan_ms == 0 and age < 0 then return {newest()} end
+if nothing_to_place(orphan_ms, age) then return {newest()} end
 local ids, caps = live_workers(now)
 local load = loads()
 local mine = load[me] or 0
-local best_l, best_c
-for i, id in ipairs(ids) do
-  local c, l = caps[i], load[id] or 0
-  if id ~= me and c > 0 and l < c and (best_l == nil or l * best_c < best_l * c) then
-    best_l, best_c = l, c
-  end
-end
-local function least()
-  return best_l == nil or mine * best_c <= best_l * mycap
-end
+local best_l, best_c = least_loaded_other(me, ids, caps, load)
 local out = {}
 while #out < free and mine < mycap do
-  local first = least()
+  local first = is_least(mine, mycap, best_l, best_c)
   local got = {}
   if orphan_ms > 0 then
-    local idle = orphan_ms + (first and 0 or defer_ms)
+    local idle = orphan_idle_ms(orphan_ms, defer_ms, first)
     for _, p in ipairs(redis.call('XPENDING', KEYS[1], G, 'IDLE', idle, '-', '+', 10)) do
       if p[2] ~= me then
         got = redis.call('XCLAIM', KEYS[1], G, me, idle, p[1])
@@ -264,7 +299,7 @@ while #out < free and mine < mycap do
       end
     end
   end
-  if #got == 0 and (first or (undelivered_age() or -1) >= defer_ms) then
+  if #got == 0 and takes_new(first, undelivered_age, defer_ms) then
     local r = redis.call('XREADGROUP', 'GROUP', G, me, 'COUNT', 1, 'STREAMS', KEYS[1], '>')
     if r then got = r[1][2] end
   end

@@ -1,12 +1,19 @@
 """The pure rules, without Redis or processes: backoff, the gateway's acks and session
-event, the worker's per-entry results and checkpoint, the client's send window, and the
-client's handlers driven from several threads with events out of order."""
+event, the worker's per-entry results and checkpoint, admission and placement (the Lua
+rules of cosyvoice/bus.py, run in Lua 5.1 as Redis runs them), the client's send window,
+and the client's handlers driven from several threads with events out of order."""
 
 from __future__ import annotations
 
+import random
+import re
 import threading
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lupa import lua51
 
 from cosyvoice import bus as busmod
 from cosyvoice.backoff import Backoff
@@ -100,6 +107,112 @@ def test_the_last_entry_ends_the_session_and_marks_it_done():
                                         [{"type": "final", "text": "c"}], lambda: {"x": 1})
     assert results[-1] == {"type": "end", "session": "s", "seq": 5}
     assert results[0]["seq"] == 5 and checkpoint == {"done": True}
+
+
+# ---- admission and placement (Lua rules) ---------------------------------------------------
+
+RULE_EXAMPLES = settings(max_examples=500, deadline=None)
+RULE_NAMES = re.findall(r"^local function (\w+)", busmod.RULES, re.M)
+
+
+@pytest.fixture(scope="module")
+def rules() -> SimpleNamespace:
+    """The rules as Redis runs them: the same source, in Lua 5.1 (the version Redis
+    embeds), with no ``redis`` object, so a rule that touched Redis would fail here."""
+    lua = lua51.LuaRuntime()
+    table = lua.execute(busmod.RULES + "\nreturn {"
+                        + ", ".join(f"{n} = {n}" for n in RULE_NAMES) + "}")
+    return SimpleNamespace(lua=lua, **{name: table[name] for name in RULE_NAMES})
+
+
+def test_every_control_plane_script_decides_through_the_rules():
+    assert "redis." not in busmod.RULES
+    assert set(RULE_NAMES) == {"admits", "least_loaded_other", "is_least", "nothing_to_place",
+                               "orphan_idle_ms", "takes_new"}
+    scripts = busmod._ADMIT + busmod._PLACE
+    assert all(re.search(rf"\b{name}\(", scripts) for name in RULE_NAMES)
+
+
+def test_admission_admits_while_open_sessions_are_fewer_than_the_capacity(rules):
+    caps = rules.lua.table_from([1, 2])
+    assert rules.admits(2, caps) == (True, 3)
+    assert rules.admits(3, caps) == (False, 3)
+    assert rules.admits(0, rules.lua.table_from([])) == (False, 0)  # no live worker
+
+
+@given(open_=st.integers(0, 50), caps=st.lists(st.integers(0, 8), max_size=6))
+@RULE_EXAMPLES
+def test_admission_matches_its_definition(rules, open_, caps):
+    assert rules.admits(open_, rules.lua.table_from(caps)) == (open_ < sum(caps), sum(caps))
+
+
+def _least_other(rules, me, workers):
+    """``workers``: {id: (load, capacity)}."""
+    ids = list(workers)
+    return rules.least_loaded_other(
+        me, rules.lua.table_from(ids), rules.lua.table_from([workers[i][1] for i in ids]),
+        rules.lua.table_from({i: workers[i][0] for i in ids}))
+
+
+def test_the_least_loaded_other_worker_is_by_load_over_capacity_and_has_room(rules):
+    workers = {"me": (0, 4), "a": (1, 2), "b": (1, 4), "full": (2, 2), "none": (0, 0)}
+    assert _least_other(rules, "me", workers) == (1, 4)  # b: 1/4 beats a: 1/2
+    assert _least_other(rules, "me", {"me": (0, 4), "full": (2, 2)}) == (None, None)
+    # ties take: equal ratios make both the least loaded
+    assert rules.is_least(1, 4, 1, 4) and rules.is_least(1, 2, 2, 4)
+    assert not rules.is_least(2, 4, 1, 4)
+    assert rules.is_least(5, 6, None, None)  # nobody else has room
+
+
+def _place_burst(rules, caps: dict[str, int], sessions: int, seed: int) -> dict[str, int]:
+    """Placement rounds in a random order (Redis runs one script at a time), each taking
+    one session at a time while its worker is the least loaded, as _PLACE does, with
+    no announcement old enough for a worker that is not."""
+    rng = random.Random(seed)
+    load = dict.fromkeys(caps, 0)
+    never = lambda: -1  # noqa: E731 - nothing has waited: age() must not make it take
+    left, idle_rounds = sessions, 0
+    while left:
+        assert idle_rounds < 20 * len(caps), f"no worker takes the rest: {load}"
+        idle_rounds += 1
+        me = rng.choice(list(caps))
+        best = _least_other(rules, me, {w: (load[w], caps[w]) for w in caps})
+        while left and load[me] < caps[me]:
+            first = rules.is_least(load[me], caps[me], *best)
+            if not rules.takes_new(first, never, 1000):
+                break
+            load[me] += 1
+            left, idle_rounds = left - 1, 0
+    return load
+
+
+@given(caps=st.lists(st.integers(1, 6), min_size=1, max_size=5), seed=st.integers(0, 10**6),
+       share=st.floats(0, 1))
+@RULE_EXAMPLES
+def test_a_burst_spreads_by_load_whatever_the_order_of_rounds(rules, caps, seed, share):
+    workers = {f"w{i}": c for i, c in enumerate(caps)}
+    sessions = int(share * sum(caps))
+    load = _place_burst(rules, workers, sessions, seed)
+    assert sum(load.values()) == sessions and all(load[w] <= workers[w] for w in workers)
+    if len(set(caps)) == 1:  # equal workers differ by one session at most
+        assert max(load.values()) - min(load.values()) <= 1
+    # no worker took while another with room was less loaded than it was before taking
+    ratios = [(load[w] - 1) / workers[w] for w in workers if load[w]]
+    room = [load[w] / workers[w] for w in workers if load[w] < workers[w]]
+    assert not ratios or not room or max(ratios) <= min(room)
+
+
+def test_a_worker_that_is_not_the_least_loaded_takes_only_what_waited(rules):
+    def unasked():
+        raise AssertionError("the least loaded worker must not look at the wait")
+    assert rules.takes_new(True, unasked, 1000)
+    assert rules.takes_new(False, lambda: 1000, 1000)
+    assert not rules.takes_new(False, lambda: 999, 1000)
+    assert not rules.takes_new(False, lambda: None, 1000)  # the group is gone
+    assert rules.orphan_idle_ms(3000, 1000, True) == 3000
+    assert rules.orphan_idle_ms(3000, 1000, False) == 4000
+    assert rules.nothing_to_place(0, -1)
+    assert not rules.nothing_to_place(0, 0) and not rules.nothing_to_place(3000, -1)
 
 
 # ---- client send window ---------------------------------------------------------------------
