@@ -70,6 +70,11 @@ class Settings:
     # torch backend on the CPU: bf16 arithmetic inside fp32 matrix products where the CPU
     # has bf16 instructions (weights stay fp32 and shared); 32 % less CPU per final.
     whisper_cpu_bf16: bool = True
+    # torch backend: the shortest encoder window (seconds) a final is decoded in; each
+    # final gets the smallest window that holds it plus 1 s, at least this. 0 decodes
+    # every final in Whisper's full 30 s window. 10 s: the measured floor with a margin
+    # (docs/benchmarks.md, "Encoder window").
+    whisper_window_floor_s: int = 10
     # "cpu" or "cuda"; empty picks CUDA when torch sees a GPU.
     whisper_device: str = ""
     # An official openai-whisper checkpoint to use instead of the bundled model data.
@@ -223,6 +228,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "whisper_backend": _one_of(*WHISPER_BACKENDS),
     "whisper_threads": _at_least(1),
     "whisper_device": _one_of("", "cpu", "cuda"),
+    "whisper_window_floor_s": ((lambda v: v == 0 or 1 <= v <= 30), "0, or seconds from 1 to 30"),
     "session_grace_s": _at_least(0),
     "lease_ttl_ms": _at_least(100),
     "lease_renew_ms": _at_least(10),

@@ -215,6 +215,28 @@ def test_a_worker_that_is_not_the_least_loaded_takes_only_what_waited(rules):
     assert not rules.nothing_to_place(0, 0) and not rules.nothing_to_place(3000, -1)
 
 
+# ---- Whisper's encoder window ------------------------------------------------------------
+
+
+def test_a_final_gets_the_smallest_window_that_holds_it_never_below_the_floor():
+    from cosyvoice.asr.whisper_engine import FULL_WINDOW_S, window_s
+    assert window_s(3.0, 10) == 10
+    assert window_s(9.5, 10) == 12  # 9.5 s + the 1 s margin
+    assert window_s(13.9, 10) == 15
+    assert window_s(28.5, 10) == FULL_WINDOW_S
+    assert window_s(3.0, 8) == 8  # a floor outside the fixed sizes is a size of its own
+    assert window_s(3.0, 0) == FULL_WINDOW_S  # 0: always the full window
+    assert window_s(40.0, 10) == FULL_WINDOW_S
+
+
+def test_a_short_window_caps_the_tokens_and_flags_degenerate_text():
+    from cosyvoice.asr.whisper_engine import degenerate, token_cap
+    assert token_cap(3.0) == 40
+    assert not degenerate(1.3, 12, token_cap(3.0))
+    assert degenerate(2.5, 12, token_cap(3.0))  # repetition compresses too well
+    assert degenerate(1.3, 40, token_cap(3.0))  # ran to its cap
+
+
 # ---- client send window ---------------------------------------------------------------------
 
 

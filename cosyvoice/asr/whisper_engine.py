@@ -19,6 +19,7 @@ Two backends decode the finals, on the same model data (``cosyvoice/asr/model_da
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import warnings
 
@@ -35,6 +36,44 @@ NO_SPEECH_PROB = 0.6
 NO_SPEECH_LOGPROB = -1.0
 
 
+# The encoder window (torch backend): Whisper's encoder reads 30 s of mel whatever the
+# utterance's length, and its cost is close to linear in the window. A final is decoded
+# with the smallest window that holds the utterance plus WINDOW_MARGIN_S, never below the
+# floor (``whisper_window_floor_s``; 0 keeps the full window): windows much shorter than
+# Whisper's training make it repeat itself (docs/benchmarks.md, "Encoder window").
+FULL_WINDOW_S = 30
+WINDOW_SIZES_S = (10, 12, 15, 20, 25, FULL_WINDOW_S)
+WINDOW_MARGIN_S = 1.0
+# Safety nets for a short window: a final may produce at most this many tokens per second
+# of audio (plus a few), and one that is degenerate (Whisper's own compression-ratio rule,
+# or as many tokens as the cap allows) is decoded again with the full window.
+MAX_TOKENS_PER_S = 10.0
+TOKEN_SLACK = 10
+COMPRESSION_RATIO_MAX = 2.4
+
+
+def window_s(duration_s: float, floor_s: int) -> int:
+    """The encoder window of an utterance of ``duration_s`` (padding included)."""
+    if floor_s <= 0:
+        return FULL_WINDOW_S
+    need = max(floor_s, duration_s + WINDOW_MARGIN_S)
+    for size in (floor_s, *WINDOW_SIZES_S):
+        if size >= need:
+            return min(size, FULL_WINDOW_S)
+    return FULL_WINDOW_S
+
+
+def token_cap(duration_s: float) -> int:
+    """The most tokens a final of ``duration_s`` may produce in a short window."""
+    return int(MAX_TOKENS_PER_S * duration_s) + TOKEN_SLACK
+
+
+def degenerate(compression_ratio: float, tokens: int, cap: int) -> bool:
+    """A result no speaker produces: text that compresses too well (repetition), or a
+    decode that ran to its token cap."""
+    return compression_ratio > COMPRESSION_RATIO_MAX or tokens >= cap
+
+
 def _float_audio(pcm: bytes) -> np.ndarray:
     audio = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
     pad = np.zeros(int(PAD_S * MODEL_RATE), dtype=np.float32)
@@ -47,7 +86,7 @@ class TorchWhisper:
     name = "torch"
 
     def __init__(self, checkpoint: str, device: str | None = None, threads: int = 1,
-                 cpu_bf16: bool = False):
+                 cpu_bf16: bool = False, window_floor_s: int = 0):
         import torch
         import whisper
         from whisper.model import ModelDimensions, Whisper
@@ -68,6 +107,7 @@ class TorchWhisper:
         state = ckpt["model_state_dict"]
         dtype = next(iter(state.values())).dtype
         model = Whisper(dims)
+        model.encoder.__class__ = _windowed_encoder_class()
         # assign=True keeps the mapped tensors themselves as the parameters (the freshly
         # initialised ones are freed): no private copy of the weights.
         model.load_state_dict(state, assign=True, strict=True)
@@ -76,6 +116,8 @@ class TorchWhisper:
         self.model = model.eval()
         self.fp16 = dtype == torch.float16
         self.checkpoint = checkpoint
+        self.window_floor_s = window_floor_s
+        self.redecodes = 0  # finals decoded again with the full window (degenerate)
         self._whisper = whisper
         self._torch = torch
         # Build the tiktoken encoding now (cached for every decode): openai-whisper reads
@@ -103,24 +145,69 @@ class TorchWhisper:
             self._torch.set_num_threads(self.threads)
             self._set_math()
 
-    def mel(self, audio: np.ndarray):
+    def mel(self, audio: np.ndarray, window: int = FULL_WINDOW_S):
+        """The log-mel of ``audio`` padded or cut to ``window`` seconds."""
         w = self._whisper
+        frames = window * w.audio.FRAMES_PER_SECOND
         mel = w.log_mel_spectrogram(self._torch.from_numpy(audio), self.model.dims.n_mels,
                                     padding=w.audio.N_SAMPLES)
-        mel = w.pad_or_trim(mel[:, :w.audio.N_FRAMES], w.audio.N_FRAMES)
+        mel = w.pad_or_trim(mel[:, :frames], frames)
         return mel.to(self.device, self._torch.float16 if self.fp16 else self._torch.float32)
 
     def decode(self, audios: list[np.ndarray]) -> list[tuple[str, list[int]]]:
-        """Greedy decoding of a batch of ≤30 s clips: (text, tokens) each."""
-        torch = self._torch
-        with torch.inference_mode():
-            mels = torch.stack([self.mel(a) for a in audios])
-            results = self._whisper.decode(self.model, mels, self._options)
-        out = []
-        for r in results:
-            silent = (r.no_speech_prob > NO_SPEECH_PROB and r.avg_logprob < NO_SPEECH_LOGPROB)
-            out.append(("" if silent else r.text.strip(), list(r.tokens)))
+        """Greedy decoding of ≤30 s clips: (text, tokens) each. Clips of one window size
+        are decoded as one batch; a degenerate result in a short window is decoded again
+        with the full one."""
+        durations = [len(a) / MODEL_RATE for a in audios]
+        windows = [window_s(d, self.window_floor_s) for d in durations]
+        out: list[tuple[str, list[int]]] = [("", [])] * len(audios)
+        for window in sorted(set(windows)):
+            batch = [i for i, w in enumerate(windows) if w == window]
+            short = window < FULL_WINDOW_S
+            cap = token_cap(max(durations[i] for i in batch)) if short else 0
+            results = self._decode([audios[i] for i in batch], window, cap)
+            for i, r in zip(batch, results, strict=True):
+                if short and degenerate(r.compression_ratio, len(r.tokens), cap):
+                    self.redecodes += 1
+                    r = self._decode([audios[i]], FULL_WINDOW_S, 0)[0]
+                out[i] = _text_of(r)
         return out
+
+    def _decode(self, audios: list[np.ndarray], window: int, cap: int) -> list:
+        """openai-whisper's greedy decode in a ``window``-second encoder window, at most
+        ``cap`` tokens (0: its default, half the text context)."""
+        torch = self._torch
+        options = dataclasses.replace(self._options, sample_len=cap) if cap else self._options
+        with torch.inference_mode():
+            mels = torch.stack([self.mel(a, window) for a in audios])
+            return self._whisper.decode(self.model, mels, options)
+
+
+def _text_of(result) -> tuple[str, list[int]]:
+    silent = (result.no_speech_prob > NO_SPEECH_PROB and result.avg_logprob < NO_SPEECH_LOGPROB)
+    return ("" if silent else result.text.strip(), list(result.tokens))
+
+
+def _windowed_encoder_class():
+    """openai-whisper's AudioEncoder, taking any window up to 30 s: the positional
+    embedding is cut to the window instead of asserting the full 1500 positions."""
+    import torch.nn.functional as F
+    from whisper.model import AudioEncoder
+
+    class WindowedAudioEncoder(AudioEncoder):
+        def forward(self, x):
+            x = F.gelu(self.conv1(x))
+            x = F.gelu(self.conv2(x))
+            x = x.permute(0, 2, 1)
+            positions = self.positional_embedding
+            if x.shape[1] > positions.shape[0]:
+                raise ValueError(f"an encoder window of {x.shape[1]} positions is over 30 s")
+            x = (x + positions[:x.shape[1]]).to(x.dtype)
+            for block in self.blocks:
+                x = block(x)
+            return self.ln_post(x)
+
+    return WindowedAudioEncoder
 
 
 class CT2Whisper:
@@ -177,7 +264,8 @@ def load_backend(settings):
     device = model_data.resolve_device(settings.whisper_device)
     path = model_data.convert(mdir, source=settings.whisper_checkpoint or None, device=device)
     return TorchWhisper(str(path), device=device, threads=settings.whisper_threads,
-                        cpu_bf16=settings.whisper_cpu_bf16)
+                        cpu_bf16=settings.whisper_cpu_bf16,
+                        window_floor_s=settings.whisper_window_floor_s)
 
 
 class TwoPassModel:
