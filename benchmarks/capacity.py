@@ -30,6 +30,7 @@ import random
 import sys
 import threading
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,7 +74,7 @@ def engine_cost(passes: int = 3) -> dict:
 def _dist(values: list[float], qs=(50, 95, 99)) -> dict:
     if not values:
         return {"n": 0}
-    out = {"n": len(values)}
+    out: dict[str, float] = {"n": len(values)}
     out.update({f"p{q}": round(percentile(values, q), 1) for q in qs})
     out["max"] = round(max(values), 1)
     return out
@@ -133,12 +134,12 @@ def run_level(capacity: int, workers: int, seconds: float) -> dict:
     sessions = capacity * workers
     env = {"COSYVOICE_WORKER_CAPACITY": str(capacity), "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
     with Stack(processes=workers, env=env) as stack:
-        meter = CpuMeter({"gateway": stack.gateway.pid, "workers": stack.worker.pid,
-                          "redis": stack.redis.proc.pid})
+        meter = CpuMeter({"gateway": stack.gateway.proc.pid, "workers": stack.pool.proc.pid,
+                          "redis": stack.redis_pid})
         before = meter.sample()
         deadline = time.monotonic() + seconds
         clients = [Client(stack.url, deadline, seed=k) for k in range(sessions)]
-        for k, client in enumerate(clients):
+        for client in clients:
             client.start()
             time.sleep(0.2 / sessions)  # spread the chunk phases over the 200 ms period
         for client in clients:
@@ -148,7 +149,7 @@ def run_level(capacity: int, workers: int, seconds: float) -> dict:
     partial = [x for c in clients for x in c.partial_ms]
     final = [x for c in clients for x in c.final_ms]
     errors = [e for c in clients for e in c.errors]
-    result = {
+    result: dict[str, Any] = {
         "capacity_per_process": capacity, "workers": workers, "sessions": sessions,
         "completed_sessions": sum(c.sessions for c in clients),
         "partial_ms": _dist(partial), "last_to_final_ms": _dist(final),
@@ -169,23 +170,27 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--json-out")
     args = ap.parse_args()
-    report = {"machine": machine(), "args": vars(args), "engine": engine_cost(), "levels": []}
-    print(json.dumps(report["engine"]), file=sys.stderr, flush=True)
+    engine = engine_cost()
+    levels: list[dict[str, Any]] = []
+    report: dict[str, Any] = {"machine": machine(), "args": vars(args), "engine": engine,
+                              "levels": levels}
+    print(json.dumps(engine), file=sys.stderr, flush=True)
     for capacity in (int(x) for x in args.capacities.split(",")):
         level = run_level(capacity, args.workers, args.seconds)
-        report["levels"].append(level)
+        levels.append(level)
         print(json.dumps(level), file=sys.stderr, flush=True)
-    met = [lv["sessions"] for lv in report["levels"] if lv["meets"]]
+    met = [lv["sessions"] for lv in levels if lv["meets"]]
     report["capacity_sessions"] = max(met) if met else 0
     print("| sessions (per process) | partial P50 / P99 ms | last → final P50 / P95 ms "
           "| errors | worker cores | meets |")
     print("|---|---|---|---|---|---|")
-    for lv in report["levels"]:
+    for lv in levels:
         p, f = lv["partial_ms"], lv["last_to_final_ms"]
-        print(f"| {lv['sessions']} ({lv['capacity_per_process']}) | {p.get('p50')} / {p.get('p99')} "
+        print(f"| {lv['sessions']} ({lv['capacity_per_process']}) "
+              f"| {p.get('p50')} / {p.get('p99')} "
               f"| {f.get('p50')} / {f.get('p95')} | {lv['error_count']} "
               f"| {lv['cpu_cores']['workers']} | {'yes' if lv['meets'] else 'no'} |")
-    e = report["engine"]
+    e = engine
     print(f"\nengine alone: RTF {e['rtf']}, {e['sessions_per_core']} real-time sessions per core, "
           f"limit {e['engine_limit_sessions']} on {e['cores']} cores; chunk feed "
           f"P50 {e['chunk_feed_ms']['p50']} ms, P99 {e['chunk_feed_ms']['p99']} ms")

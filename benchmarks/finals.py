@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import wave
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -90,7 +91,7 @@ def _cpu_child(name: str, model_dir: str, repeats: int, batch: bool, out) -> Non
     with wave.open(str(FIXTURES / "harvard_long.wav"), "rb") as w:
         pcm = w.readframes(w.getnframes())
     backend = load_backend(name, model_dir)
-    result = {}
+    result: dict[str, Any] = {}
     clips = {"3s": pcm[:3 * RATE * 2], "20s": pcm[:20 * RATE * 2]}
     for label, clip in clips.items():
         audio = _float_audio(clip)
@@ -195,7 +196,7 @@ def pool_pss(backend: str, model_dir: str) -> dict:
             t.start()
         for t in threads:
             t.join()
-        parent = psutil.Process(stack.worker.pid)
+        parent = psutil.Process(stack.pool.proc.pid)
         children = parent.children()
         kids = [pss_kb(c.pid) for c in children]
         return {"parent_mb": round(pss_kb(parent.pid) / 1024, 1),

@@ -20,6 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.stack import Stack, fixture_names, percentile, read_fixture  # noqa: E402
+from cosyvoice import bus as busmod  # noqa: E402
 from cosyvoice.client import StreamingClient, TranscribeError  # noqa: E402
 
 
@@ -84,7 +85,7 @@ def partial_latency(url: str, sessions: int, seconds: float) -> tuple[list[float
             c.close()
 
     threads = [threading.Thread(target=one, args=(k,)) for k in range(sessions)]
-    for i, t in enumerate(threads):
+    for t in threads:
         t.start()
         time.sleep(0.2 / sessions * 0.9)  # spread chunk phases across the 200 ms period
     for t in threads:
@@ -101,7 +102,7 @@ def main() -> None:
     ap.add_argument("--overload", type=int, default=8,
                     help="clients that keep asking for sessions while `capacity` run")
     args = ap.parse_args()
-    report = {}
+    report: dict[str, dict[str, object]] = {}
     with Stack(processes=args.workers) as stack:
         # warm-up
         last_to_final(stack.url, 1)
@@ -114,15 +115,17 @@ def main() -> None:
                 "n": len(lat), "p50": percentile(lat, 50), "p99": percentile(lat, 99),
                 "max": max(lat) if lat else None, "errors": errs}
         # Admission control: the service is full; more clients keep knocking.
-        capacity = sum(w["capacity"] for w in __import__("cosyvoice.bus").bus.Bus(stack.client).live_workers())
+        capacity = sum(w["capacity"] for w in busmod.Bus(stack.client).live_workers())
         if args.overload:
             stop, counts = threading.Event(), {"admitted": 0}
             knockers = [threading.Thread(target=hammer, args=(stack.url, stop, counts))
                         for _ in range(args.overload)]
-            def start_knocking():
+
+            def start_knocking() -> None:
                 time.sleep(2.0)  # the running sessions have been admitted by then
                 for t in knockers:
                     t.start()
+
             threading.Thread(target=start_knocking).start()
             lat, errs = partial_latency(stack.url, capacity, args.seconds)
             stop.set()

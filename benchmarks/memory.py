@@ -70,11 +70,10 @@ def main() -> None:
     # 4 sessions per process, the capacity this comparison was first measured at.
     env = {"COSYVOICE_WORKER_CAPACITY": "4"}
     with Stack(processes=2, env=env) as stack:
-        report["shared"] = load_and_measure(stack, [stack.worker], 8)
+        report["shared"] = load_and_measure(stack, [stack.pool.proc], 8)
     with Stack(processes=1, env=env) as stack:
-        second = stack._spawn(["worker", "--processes", "1"])
-        stack._wait(lambda: len(__import__("cosyvoice.bus").bus.Bus(stack.client).live_workers()) >= 2)
-        report["independent"] = load_and_measure(stack, [stack.worker, second], 8)
+        second = stack.add_pool(1)
+        report["independent"] = load_and_measure(stack, [stack.pool.proc, second.proc], 8)
     report["ratio"] = report["shared"]["total_kb"] / report["independent"]["total_kb"]
     print(json.dumps(report, indent=2))
 

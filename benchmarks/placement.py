@@ -37,6 +37,9 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
+
+import redis as redislib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,6 +47,7 @@ from benchmarks.capacity import GAP, Client, _dist  # noqa: E402
 from benchmarks.stack import ROOT, Stack  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
 from cosyvoice import bus as busmod  # noqa: E402
+from tests import launcher  # noqa: E402
 
 
 class PlacementSampler(threading.Thread):
@@ -72,8 +76,8 @@ def run_level(sessions: int, workers: int, seconds: float, root: Path,
               tail: str = "none") -> dict:
     env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
     with Stack(processes=workers, env=env, root=root) as stack:
-        meter = CpuMeter({"gateway": stack.gateway.pid, "workers": stack.worker.pid,
-                          "redis": stack.redis.proc.pid})
+        meter = CpuMeter({"gateway": stack.gateway.proc.pid, "workers": stack.pool.proc.pid,
+                          "redis": stack.redis_pid})
         sampler = PlacementSampler(stack.client, workers)
         before = meter.sample()
         sampler.start()
@@ -118,45 +122,45 @@ def _per_call(client, calls) -> float:
 
 
 def placement_cost(workers: int, capacity: int = 6) -> dict:
-    import redis as redislib
-
-    from cosyvoice.embedded_redis import EmbeddedRedis
-
-    server = EmbeddedRedis().start()
-    try:
+    with launcher.redis_server() as server:
         client = redislib.Redis.from_url(server.url)
-        bus = busmod.Bus(client)
-        bus.ensure_group()
-        ids = [f"bench-worker-{i}" for i in range(workers)]
-        for wid in ids:
-            bus.heartbeat(wid, capacity, 600_000)
-        sessions = workers * capacity
-        sids = [f"bench-session-{i}" for i in range(sessions)]
+        try:
+            return _placement_cost(client, workers, capacity)
+        finally:
+            client.close()
+
+
+def _placement_cost(client: redislib.Redis, workers: int, capacity: int) -> dict:
+    bus = busmod.Bus(client)
+    bus.ensure_group()
+    ids = [f"bench-worker-{i}" for i in range(workers)]
+    for wid in ids:
+        bus.heartbeat(wid, capacity, 600_000)
+    sessions = workers * capacity
+    sids = [f"bench-session-{i}" for i in range(sessions)]
+    for sid in sids:
+        bus.create_session(sid, 16000)
+    load: Counter[str] = Counter()
+
+    def admit_all():
         for sid in sids:
-            bus.create_session(sid, 16000)
-        load = Counter()
+            assert bus.admit(sid).admitted
 
-        def admit_all():
-            for sid in sids:
-                assert bus.admit(sid).admitted
+    def place_all():  # the least loaded worker takes each one, as in the service
+        for _ in sids:
+            wid = min(ids, key=lambda w: load[w])
+            _newest, got = bus.place(wid, capacity, capacity - load[wid], 0, 1000)
+            load[wid] += len(got)
 
-        def place_all():  # the least loaded worker takes each one, as in the service
-            for _ in sids:
-                wid = min(ids, key=lambda w: load[w])
-                _newest, got = bus.place(wid, capacity, capacity - load[wid], 0, 1000)
-                load[wid] += len(got)
-
-        admit = _per_call(client, admit_all)
-        take = _per_call(client, place_all)
-        assert sum(load.values()) == sessions
-        idle = _per_call(client, lambda: [bus.place(w, capacity, 1, 0, 1000) for w in ids * 5])
-        orphans = _per_call(client, lambda: [bus.place(w, capacity, 1, 5000, 1000)
-                                             for w in ids * 5])
-        return {"workers": workers, "sessions": sessions, "admit_us": admit,
-                "place_taking_us": take, "place_nothing_us": idle,
-                "place_orphan_check_us": orphans}
-    finally:
-        server.stop()
+    admit = _per_call(client, admit_all)
+    take = _per_call(client, place_all)
+    assert sum(load.values()) == sessions
+    idle = _per_call(client, lambda: [bus.place(w, capacity, 1, 0, 1000) for w in ids * 5])
+    orphans = _per_call(client, lambda: [bus.place(w, capacity, 1, 5000, 1000)
+                                         for w in ids * 5])
+    return {"workers": workers, "sessions": sessions, "admit_us": admit,
+            "place_taking_us": take, "place_nothing_us": idle,
+            "place_orphan_check_us": orphans}
 
 
 def main_cost(workers_list: list[int]) -> None:
@@ -186,18 +190,19 @@ def main() -> None:
     if args.cost:
         return main_cost([int(x) for x in args.workers_list.split(",")])
     roots = [ROOT] + ([args.baseline.resolve()] if args.baseline else [])
+    levels: list[dict[str, Any]] = []
     report = {"machine": machine(), "args": {**vars(args), "baseline": str(args.baseline)},
-              "levels": []}
+              "levels": levels}
     for tail in args.tail.split(","):
         for k in (int(x) for x in args.levels.split(",")):
             for root in roots:
                 level = run_level(k, args.workers, args.seconds, root, tail)
-                report["levels"].append(level)
+                levels.append(level)
                 print(json.dumps(level), file=sys.stderr, flush=True)
     print("| audio ends | sessions | code | `last` → final P50 / P95 ms | partial P50 / P99 ms "
           "| spread max / mean | errors | worker cores |")
     print("|---|---|---|---|---|---|---|---|")
-    for lv in report["levels"]:
+    for lv in levels:
         f, p, sp = lv["last_to_final_ms"], lv["partial_ms"], lv["placement_spread"]
         print(f"| {'with speech' if lv['tail'] == 'none' else '0.5 s silence'} "
               f"| {lv['sessions']} | {lv['code']} | {f.get('p50')} / {f.get('p95')} "

@@ -128,16 +128,17 @@ class Stream(asyncio.Protocol):
 
     # ---- transport ----------------------------------------------------------------------
 
-    def connection_made(self, transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)  # a stream connection's
         self.transport = transport
         key = base64.b64encode(os.urandom(16)).decode()
         host = self.gen.host
-        self.transport.write(
+        transport.write(
             (f"GET /socket.io/?EIO=4&transport=websocket HTTP/1.1\r\nHost: {host}\r\n"
              f"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
              f"Sec-WebSocket-Version: 13\r\nOrigin: http://{host}\r\n\r\n").encode())
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.sending = False
         if self.timer:
             self.timer.cancel()
@@ -156,7 +157,7 @@ class Stream(asyncio.Protocol):
                 return
             if not buf.startswith(b"HTTP/1.1 101"):
                 self.gen.measures.errors["handshake"] += 1
-                self.transport.close()
+                self._connection().close()
                 return
             del buf[:end + 4]
             self.upgraded = True
@@ -183,16 +184,22 @@ class Stream(asyncio.Protocol):
         if pos:
             del buf[:pos]
 
+    def _connection(self) -> asyncio.Transport:
+        """The transport: every callback but ``connection_made`` comes after it is set."""
+        transport = self.transport
+        assert transport is not None
+        return transport
+
     def _frame(self, opcode: int, payload: bytes) -> None:
         if opcode == _OP_TEXT:
             self._packet(payload.decode())
         elif opcode == _OP_PING:
-            self.transport.write(ws_frame(_OP_PONG, payload))
+            self._connection().write(ws_frame(_OP_PONG, payload))
         elif opcode == _OP_CLOSE:
-            self.transport.close()
+            self._connection().close()
 
     def _send_text(self, text: str) -> None:
-        self.transport.write(ws_frame(_OP_TEXT, text.encode()))
+        self._connection().write(ws_frame(_OP_TEXT, text.encode()))
 
     # ---- Engine.IO / Socket.IO ----------------------------------------------------------
 
@@ -208,38 +215,48 @@ class Stream(asyncio.Protocol):
     def _sio(self, text: str) -> None:
         now = time.monotonic()
         if text.startswith(_ACK_PREFIX[1:]):
-            body = text[len(_ACK_PREFIX) - 1:]
-            digits = 0
-            while body[digits].isdigit():
-                digits += 1
-            ack_id = int(body[:digits])
-            if ack_id == self.stop_ack:
-                self.stopped.set_result(True)
-                return
-            sent = self.pending.pop(ack_id, None)
-            if '"error"' in body:
-                self.gen.measures.errors["ack " + json.loads(body[digits:])[0]["error"]] += 1
-            elif sent is not None and sent[1]:
-                m = self.gen.measures
-                m.acked += 1
-                m.ack_ms.append((now - sent[0]) * 1000)
+            self._on_ack(text[len(_ACK_PREFIX) - 1:], now)
         elif text.startswith(_EVENT_PREFIX[1:]):
-            name, data = json.loads(text[len(_EVENT_PREFIX) - 1:])[:2]
-            if name == "text":
-                sent = self.sent_at.pop(data.get("seq"), None)
-                if sent is not None and data.get("type") == "partial":
-                    self.gen.measures.partial_ms.append((now - sent) * 1000)
-            elif name == "error":
-                self.gen.measures.errors[data.get("code", "?")] += 1
+            self._on_event(text[len(_EVENT_PREFIX) - 1:], now)
         elif text.startswith(_CONNECT_PREFIX[1:]):
             if not self.connected.done():
                 self.connected.set_result(True)
         elif text.startswith(_REFUSED_PREFIX[1:]):
-            info = json.loads(text[len(_REFUSED_PREFIX) - 1:])
-            code = (info.get("data") or {}).get("code", "refused")
-            self.gen.measures.errors["connect " + code] += 1
-            if not self.connected.done():
-                self.connected.set_result(False)
+            self._on_refused(text[len(_REFUSED_PREFIX) - 1:])
+
+    def _on_ack(self, body: str, now: float) -> None:
+        """``<id>[args]``: a chunk's ack, or the ack of ``stop``."""
+        digits = 0
+        while body[digits].isdigit():
+            digits += 1
+        ack_id = int(body[:digits])
+        if ack_id == self.stop_ack:
+            self.stopped.set_result(True)
+            return
+        sent = self.pending.pop(ack_id, None)
+        if '"error"' in body:
+            self.gen.measures.errors["ack " + json.loads(body[digits:])[0]["error"]] += 1
+        elif sent is not None and sent[1]:
+            m = self.gen.measures
+            m.acked += 1
+            m.ack_ms.append((now - sent[0]) * 1000)
+
+    def _on_event(self, body: str, now: float) -> None:
+        name, data = json.loads(body)[:2]
+        if name == "text":
+            sent = self.sent_at.pop(data.get("seq"), None)
+            if sent is not None and data.get("type") == "partial":
+                self.gen.measures.partial_ms.append((now - sent) * 1000)
+        elif name == "error":
+            self.gen.measures.errors[data.get("code", "?")] += 1
+
+    def _on_refused(self, body: str) -> None:
+        """A connect error, ``{message, data: wire error}``."""
+        info = json.loads(body)
+        code = (info.get("data") or {}).get("code", "refused")
+        self.gen.measures.errors["connect " + code] += 1
+        if not self.connected.done():
+            self.connected.set_result(False)
 
     # ---- sending ------------------------------------------------------------------------
 
@@ -248,7 +265,8 @@ class Stream(asyncio.Protocol):
         self.timer = self.gen.loop.call_at(first_at, self._tick, first_at)
 
     def _tick(self, due: float) -> None:
-        if not self.sending or self.transport.is_closing():
+        transport = self._connection()
+        if not self.sending or transport.is_closing():
             return
         gen = self.gen
         now = time.monotonic()
@@ -262,7 +280,7 @@ class Stream(asyncio.Protocol):
         payload = gen.source.chunk(seq, int(time.time() * 1000), first=seq == 0)
         event = (f'451-{NAMESPACE},{ack_id}["audio_chunk",'
                  '{"_placeholder":true,"num":0}]').encode()
-        self.transport.write(ws_frame(_OP_TEXT, event) + ws_frame(_OP_BINARY, payload))
+        transport.write(ws_frame(_OP_TEXT, event) + ws_frame(_OP_BINARY, payload))
         self.pending[ack_id] = (now, recording)
         if recording:
             gen.measures.sent += 1
@@ -295,12 +313,19 @@ class LoadGenerator:
         self.streams: list[Stream] = []
         self.measures = Measures()
         self.recording = False
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop ``open`` ran in, which runs every stream."""
+        if self._loop is None:
+            raise RuntimeError("no streams opened yet")
+        return self._loop
 
     async def open(self, n: int, per_second: float = 200.0, timeout: float = 30.0) -> int:
         """Open ``n`` connections, at most ``per_second`` a second; returns how many
         connected to the namespace."""
-        self.loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         tasks = []
         for i in range(n):
             tasks.append(asyncio.ensure_future(self._open_one(i, timeout)))

@@ -2,8 +2,8 @@
 
 Keeps N real-time sessions of real speech going for the given time (each session streams
 one fixture, then alternately stops or just disconnects, and a new one starts), and
-samples the RSS of the gateway and of every worker process, Redis's key count and its
-dataset memory every 30 s.
+samples the RSS of the gateway (its gunicorn worker processes) and of every ASR worker
+process, Redis's key count and its dataset memory every 30 s.
 
     python benchmarks/soak.py --minutes 10 --sessions 6
 """
@@ -29,11 +29,18 @@ def rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
 
+def serving_rss_mb(pid: int) -> float:
+    """RSS of the processes that serve connections: gunicorn's workers (its children),
+    or the process itself when it has none (``cosyvoice gateway``)."""
+    children = psutil.Process(pid).children()
+    return sum(rss_mb(p.pid) for p in children) if children else rss_mb(pid)
+
+
 def sample(stack: Stack) -> dict:
-    workers = psutil.Process(stack.worker.pid).children()
+    workers = psutil.Process(stack.pool.proc.pid).children()
     info = stack.client.info("memory")
     return {"t": round(time.monotonic(), 1),
-            "gateway_rss_mb": round(rss_mb(stack.gateway.pid), 1),
+            "gateway_rss_mb": round(serving_rss_mb(stack.gateway.proc.pid), 1),
             "worker_rss_mb": [round(rss_mb(w.pid), 1) for w in workers],
             "redis_keys": stack.client.dbsize(),
             "redis_dataset_kb": round(int(info["used_memory_dataset"]) / 1024, 1)}

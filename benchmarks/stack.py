@@ -1,26 +1,31 @@
-"""Starts a throwaway cosyvoice stack (embedded Redis, gateway, worker pool) for benchmarks."""
+"""A throwaway cosyvoice stack for the benchmarks: embedded Redis, gateway, worker pool.
+
+Everything is started by tests/launcher.py, the launcher the tests use. The gateway is the
+production one, ``gunicorn -c gunicorn.conf.py cosyvoice.webui:app`` with the shipped
+settings (1000 connections per process, ``COSYVOICE_GATEWAY_PROCESSES`` processes), so
+the benchmarks measure what is deployed.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import subprocess
-import sys
-import time
+import wave
 from pathlib import Path
 
 import redis
-import requests
 
-from cosyvoice import bus as busmod
-from cosyvoice.embedded_redis import EmbeddedRedis, free_port
+from tests import launcher
+from tests.launcher import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
+# Set by the launcher for each process; the shell's values would only contradict it.
+PLACED = ("COSYVOICE_REDIS_URL", "COSYVOICE_HOST", "COSYVOICE_PORT",
+          "COSYVOICE_GATEWAY_PROCESSES", "COSYVOICE_WORKERS", "COSYVOICE_WORKER_METRICS_PORT")
 
 
 def read_fixture(name: str) -> bytes:
-    import wave
     with wave.open(str(FIXTURES / f"{name}.wav"), "rb") as w:
         return w.readframes(w.getnframes())
 
@@ -30,76 +35,69 @@ def fixture_names() -> list[str]:
             if line.strip()]
 
 
+def shell_settings() -> dict[str, str]:
+    """The ``COSYVOICE_*`` variables the benchmark was started with, but for ``PLACED``."""
+    return {k: v for k, v in os.environ.items()
+            if k.startswith("COSYVOICE_") and k not in PLACED}
+
+
 class Stack:
-    """``gateway_processes`` > 0 runs the gateway under gunicorn's GeventWebSocketWorker
-    with that many processes (the production server); 0 runs ``cosyvoice gateway``."""
+    """An embedded Redis, a gateway and a pool of ``processes`` ASR worker processes.
 
-    def __init__(self, processes: int = 2, env: dict | None = None, gateway: bool = True,
-                 gateway_processes: int = 0, root: Path = ROOT):
-        self.root = root  # the checkout whose cosyvoice runs (another one: a baseline)
-        self.redis = EmbeddedRedis().start()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "COSYVOICE_REDIS_URL": self.redis.url,
-                    "COSYVOICE_PORT": str(self.port), "COSYVOICE_LOG_LEVEL": "WARNING",
-                    **(env or {})}
-        self.procs: list[subprocess.Popen] = []
-        if gateway and gateway_processes > 0:
-            self.gateway = self._spawn_command([
-                sys.executable, "-m", "gunicorn", "--no-control-socket",
-                "-k", "geventwebsocket.gunicorn.workers.GeventWebSocketWorker",
-                "-w", str(gateway_processes), "--worker-connections", "4000",
-                "-b", f"127.0.0.1:{self.port}", "--log-level", "warning",
-                "cosyvoice.webui:app"])
-            self._wait_http(self.url + "/healthz")
-        elif gateway:
-            self.gateway = self._spawn(["gateway"])
-            self._wait_http(self.url + "/healthz")
-        self.worker = self._spawn(["worker", "--processes", str(processes)])
-        self.client = redis.Redis.from_url(self.redis.url)
-        self._wait(lambda: len(busmod.Bus(self.client).live_workers()) >= processes)
+    The gateway runs under gunicorn with ``gateway_processes`` processes; 0 runs
+    ``cosyvoice gateway`` instead (one gevent process: the server of the transport
+    numbers measured before the benchmarks ran gunicorn). ``root`` is the checkout whose
+    code runs (another one: a baseline). Settings: the shell's ``COSYVOICE_*``, then
+    WARNING logs, then ``env``.
+    """
 
-    def _spawn(self, args):
-        return self._spawn_command([sys.executable, "-m", "cosyvoice", *args])
+    def __init__(self, processes: int = 2, env: dict[str, str] | None = None,
+                 gateway_processes: int = 1, root: Path = ROOT):
+        self.root = root
+        self.env = {**shell_settings(), "COSYVOICE_LOG_LEVEL": "WARNING", **(env or {})}
+        self._procs: list[subprocess.Popen] = []
+        self._exit = contextlib.ExitStack()
+        try:
+            self.redis = self._exit.enter_context(launcher.redis_server())
+            self.client = redis.Redis.from_url(self.redis.url)
+            self._exit.callback(self.client.close)
+            self._exit.callback(lambda: launcher.stop(*self._procs))  # all at once
+            self.gateway = launcher.start_gateway(
+                self.redis.url, gunicorn=gateway_processes > 0,
+                processes=max(1, gateway_processes), env=self.env, root=root)
+            self._procs.append(self.gateway.proc)
+            self.pool = self.add_pool(processes)
+        except BaseException:
+            self._exit.close()
+            raise
 
-    def _spawn_command(self, command):
-        proc = subprocess.Popen(command, env=self.env, cwd=self.root, start_new_session=True)
-        self.procs.append(proc)
-        return proc
+    @property
+    def url(self) -> str:
+        return self.gateway.url
 
-    @staticmethod
-    def _wait(pred, timeout=60):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if pred():
-                return
-            time.sleep(0.1)
-        raise TimeoutError
+    @property
+    def port(self) -> int:
+        return self.gateway.port
 
-    def _wait_http(self, url):
-        def ok():
-            try:
-                return requests.get(url, timeout=1).ok
-            except requests.RequestException:
-                return False
-        self._wait(ok)
+    @property
+    def redis_pid(self) -> int:
+        assert self.redis.proc is not None  # it runs until close()
+        return self.redis.proc.pid
 
-    def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        self.redis.stop()
+    def add_pool(self, processes: int) -> launcher.WorkerPool:
+        """Another worker pool with the same settings, live when this returns."""
+        pool = launcher.start_worker_pool(self.redis.url, processes=processes, env=self.env,
+                                          root=self.root)
+        self._procs.append(pool.proc)
+        return pool
 
-    def __enter__(self):
+    def close(self) -> None:
+        self._exit.close()
+
+    def __enter__(self) -> Stack:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -17,6 +17,10 @@ chunk as a multiple of that floor.
 
 A level "holds" when every stream connected, no chunk was lost, no error event came and
 ack P99 < 100 ms; the report names the first level that does not.
+
+The gateway is the production one: gunicorn with the shipped gunicorn.conf.py and
+``--gateway-processes`` processes (1000 connections each, its ``worker_connections``);
+``--gateway-processes 0`` runs one ``cosyvoice gateway`` process instead.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.sioload import ChunkSource, LoadGenerator  # noqa: E402
 from benchmarks.stack import Stack, fixture_names, percentile, read_fixture  # noqa: E402
 from cosyvoice.embedded_redis import free_port  # noqa: E402
+from tests import launcher  # noqa: E402
+from tests.launcher import wait_http  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ACK_P99_TARGET_MS = 100.0
@@ -119,25 +125,8 @@ def start_echo(stock: bool) -> tuple[subprocess.Popen, int]:
     if stock:
         args.append("--stock-unmask")
     proc = subprocess.Popen(args, cwd=ROOT, start_new_session=True)
-    Stack._wait(lambda: _answers(port))
+    wait_http(f"http://127.0.0.1:{port}/healthz", proc, timeout=60)
     return proc, port
-
-
-def _answers(port: int) -> bool:
-    import requests
-    try:
-        return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok
-    except requests.RequestException:
-        return False
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def machine() -> dict:
@@ -179,8 +168,8 @@ async def main_async(args) -> dict:
     report = {"machine": machine(), "args": vars(args), "results": []}
     with Stack(processes=args.workers, env=env,
                gateway_processes=args.gateway_processes) as stack:
-        gw_meter = CpuMeter({"server": stack.gateway.pid, "redis": stack.redis.proc.pid,
-                             "workers": stack.worker.pid})
+        gw_meter = CpuMeter({"server": stack.gateway.proc.pid, "redis": stack.redis_pid,
+                             "workers": stack.pool.proc.pid})
         echo = start_echo(stock=False) if not args.no_echo else None
         stock = start_echo(stock=True) if args.stock_echo else None
         try:
@@ -204,7 +193,7 @@ async def main_async(args) -> dict:
         finally:
             for server in (echo, stock):
                 if server is not None:
-                    stop(server[0])
+                    launcher.stop(server[0])
     gateway = [r for r in report["results"] if r["target"] == "gateway"]
     broken = [r["streams"] for r in gateway if not holds(r)]
     report["breaks_at"] = broken[0] if broken else None
@@ -217,9 +206,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--workers", type=int, default=1, help="null-engine worker processes")
-    ap.add_argument("--gateway-processes", type=int, default=0,
-                    help="run the gateway under gunicorn with this many processes "
-                         "(0: one `cosyvoice gateway` process)")
+    ap.add_argument("--gateway-processes", type=int, default=1,
+                    help="gateway processes under gunicorn with the shipped gunicorn.conf.py "
+                         "(0: one `cosyvoice gateway` process instead)")
     ap.add_argument("--no-echo", action="store_true", help="skip the echo comparison")
     ap.add_argument("--stock-echo", action="store_true",
                     help="also run the echo app with gevent-websocket's own unmasking")

@@ -1,22 +1,25 @@
-"""Real services for the tests: redis-server, gateway and worker processes on free ports."""
+"""Real services for the tests: redis-server, gateway and worker processes on free ports.
+
+Redis fixtures, by whose server they are: ``redis_server`` and ``redis_client`` are the
+test session's (shared with ``service``), ``module_redis`` and ``module_redis_client`` a
+test module's own (for tests that count or fill it), ``fresh_redis`` and
+``fresh_redis_client`` a test's own. All of them start their server with
+``launcher.redis_server``.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from cosyvoice import bus as busmod
-from cosyvoice.embedded_redis import EmbeddedRedis, free_port
+from cosyvoice.embedded_redis import EmbeddedRedis
 
-from . import tiers
-from .helpers import spawn, terminate, wait_for, wait_http
-
-# Disconnected sessions expire after this in the test service (30 s in production).
-TEST_GRACE_S = 2.0
+from . import launcher, tiers
+from .helpers import TEST_ENV
 
 
 def pytest_configure(config):
@@ -31,58 +34,51 @@ def artifacts() -> Path:
 
 
 @pytest.fixture(scope="session")
-def redis_server():
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def module_redis():
-    """A redis-server of the test module's own, for tests that count or fill it."""
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with launcher.redis_server() as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
-def redis_client(redis_server) -> redis.Redis:
+def redis_client(redis_server: EmbeddedRedis) -> redis.Redis:
     return redis.Redis.from_url(redis_server.url)
 
 
-@dataclass
-class Service:
-    url: str
-    redis_url: str
-    gateway: object
-    worker: object
+@pytest.fixture(scope="module")
+def module_redis() -> Iterator[EmbeddedRedis]:
+    """A redis-server of the test module's own, for tests that count or fill it."""
+    with launcher.redis_server() as server:
+        yield server
 
 
-def start_service(redis_url: str, artifacts: Path, name: str, processes: int = 2,
-                  extra_env: dict | None = None) -> Service:
-    port = free_port()
-    env = {"COSYVOICE_REDIS_URL": redis_url, "COSYVOICE_PORT": str(port),
-           "COSYVOICE_SESSION_GRACE_S": str(TEST_GRACE_S), **(extra_env or {})}
-    gateway = spawn(["gateway"], env, artifacts / f"{name}-gateway.log")
-    worker = spawn(["worker", "--processes", str(processes)], env,
-                   artifacts / f"{name}-worker.log")
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/healthz", gateway)
-    client = redis.Redis.from_url(redis_url)
-    wait_for(lambda: len(busmod.Bus(client).live_workers()) >= processes, timeout=30)
-    return Service(url, redis_url, gateway, worker)
+@pytest.fixture(scope="module")
+def module_redis_client(module_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(module_redis.url)
+    yield client
+    client.close()
 
 
-def stop_service(service: Service) -> None:
-    terminate(service.gateway)
-    terminate(service.worker)
+@pytest.fixture
+def fresh_redis() -> Iterator[EmbeddedRedis]:
+    """A redis-server of the test's own: nothing another test did is in it."""
+    with launcher.redis_server() as server:
+        yield server
+
+
+@pytest.fixture
+def fresh_redis_client(fresh_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(fresh_redis.url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="session")
-def service(redis_server, artifacts):
-    svc = start_service(redis_server.url, artifacts, "service")
+def service(redis_server: EmbeddedRedis, artifacts: Path) -> Iterator[launcher.Service]:
+    """``cosyvoice gateway`` and a pool of two worker processes on ``redis_server``."""
+    svc = launcher.start_service(redis_server.url, env=TEST_ENV, logs=artifacts,
+                                 name="service")
     yield svc
-    stop_service(svc)
+    svc.stop()
 
 
 def pytest_sessionfinish(session, exitstatus):

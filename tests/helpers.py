@@ -1,22 +1,23 @@
-"""Shared test helpers: fixture audio, word error rate, process management."""
+"""Shared test helpers: fixture audio, word error rate, the test service's settings.
+
+Starting and stopping processes is tests/launcher.py's.
+"""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 import wave
-from pathlib import Path
 
 import jiwer
 import pocketsphinx
-import requests
 
-FIXTURES = Path(__file__).parent / "fixtures"
-ROOT = Path(__file__).parent.parent
+from .launcher import ROOT
+
+FIXTURES = ROOT / "tests" / "fixtures"
+# Disconnected sessions expire after this in the test services (30 s in production).
+TEST_GRACE_S = 2.0
+# Every test service's settings, under the test's own.
+TEST_ENV = {"COSYVOICE_SESSION_GRACE_S": str(TEST_GRACE_S)}
 
 
 def fixture_texts() -> dict[str, str]:
@@ -50,46 +51,3 @@ def direct_decode(pcm: bytes) -> str:
     decoder.end_utt()
     hyp = decoder.hyp()
     return hyp.hypstr if hyp else ""
-
-
-def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        try:
-            if requests.get(url, timeout=1).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not answer within {timeout}s")
-
-
-def wait_for(predicate, timeout: float = 15.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError("condition not met in time")
-
-
-def spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "cosyvoice", *args],
-                                env={**os.environ, **env}, stdout=log,
-                                stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-
-
-def terminate(proc: subprocess.Popen, timeout: float = 15.0) -> int:
-    """SIGTERM, then SIGKILL of the whole process group if it does not exit."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode

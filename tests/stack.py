@@ -1,9 +1,9 @@
-"""The production stack for the deployment tests, built from the shipped files.
+"""The production stack's other parts for the deployment tests: nginx, a plain client.
 
-The gateway and worker commands come from docker-compose.yml and run as they are, through
-this interpreter (``gunicorn …`` as ``python -m gunicorn …``, so the code under test is
-this checkout's). nginx's configuration is deploy/nginx.conf rendered by
-deploy/render-nginx.sh, the way the README tells operators to, with test paths and ports.
+Gateways and worker pools are tests/launcher.py's (docker-compose.yml's commands).
+nginx's configuration is deploy/nginx.conf rendered by deploy/render-nginx.sh, the way
+the README tells operators to, with test paths and ports. ``Stream`` is a minimal,
+single-threaded Socket.IO client; ``scrape`` reads a /metrics page.
 """
 
 from __future__ import annotations
@@ -12,99 +12,26 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis
 import requests
 import websocket
 import yaml
 
-from cosyvoice import bus as busmod
 from cosyvoice.audio import split_chunks
 from cosyvoice.embedded_redis import free_port
 from cosyvoice.protocol import encode_chunk
 
-from .helpers import ROOT, terminate, wait_for, wait_http
+from . import launcher
+from .launcher import ROOT, terminate
 
-COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+COMPOSE = yaml.safe_load(launcher.COMPOSE_FILE.read_text())
+# The commands README documents; tests/test_deploy.py checks docker-compose.yml runs them.
 GATEWAY_COMMAND = ["gunicorn", "-c", "gunicorn.conf.py", "cosyvoice.webui:app"]
 WORKER_COMMAND = ["cosyvoice", "worker"]
 NAMESPACE = "/ws"
-
-
-def compose_command(service: str) -> list[str]:
-    return list(COMPOSE["services"][service]["command"])
-
-
-def local(command: list[str]) -> list[str]:
-    """A compose command run through this interpreter (``gunicorn`` → ``python -m gunicorn``)."""
-    return [sys.executable, "-m", *command]
-
-
-def start(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    """Starts a compose command from the repository root, as the image's WORKDIR is."""
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith("COSYVOICE_") and k not in ("PROMETHEUS_MULTIPROC_DIR",
-                                                            "XDG_RUNTIME_DIR", "DEBUG_MEM")}
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(local(command), env={**base, **env}, cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-
-@dataclass
-class Gateway:
-    url: str
-    proc: subprocess.Popen
-    log: Path
-    home: Path
-
-
-def start_gateway(redis_url: str, workdir: Path, name: str, processes: int = 1,
-                  extra_env: dict | None = None) -> Gateway:
-    port = free_port()
-    home = workdir / f"{name}-home"
-    home.mkdir(exist_ok=True)
-    env = {"COSYVOICE_REDIS_URL": redis_url, "COSYVOICE_HOST": "127.0.0.1",
-           "COSYVOICE_PORT": str(port), "COSYVOICE_GATEWAY_PROCESSES": str(processes),
-           "COSYVOICE_SESSION_GRACE_S": "2", "HOME": str(home), **(extra_env or {})}
-    log = workdir / f"{name}.log"
-    proc = start(compose_command("gateway-1"), env, log)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/healthz", proc, timeout=60)
-    return Gateway(url, proc, log, home)
-
-
-@dataclass
-class WorkerPool:
-    proc: subprocess.Popen
-    log: Path
-    metrics_url: str | None = None
-
-
-def start_worker(redis_url: str, workdir: Path, name: str, processes: int = 1,
-                 capacity: int = 2, metrics: bool = False,
-                 extra_env: dict | None = None) -> WorkerPool:
-    env = {"COSYVOICE_REDIS_URL": redis_url, "COSYVOICE_WORKERS": str(processes),
-           "COSYVOICE_WORKER_CAPACITY": str(capacity), "COSYVOICE_HOST": "127.0.0.1",
-           **(extra_env or {})}
-    metrics_url = None
-    if metrics:
-        port = free_port()
-        env["COSYVOICE_WORKER_METRICS_PORT"] = str(port)
-        metrics_url = f"http://127.0.0.1:{port}/metrics"
-    log = workdir / f"{name}.log"
-    return WorkerPool(start(compose_command("worker"), env, log), log, metrics_url)
-
-
-def wait_workers(redis_url: str, count: int, timeout: float = 60.0) -> None:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        wait_for(lambda: len(busmod.Bus(client).live_workers()) >= count, timeout=timeout)
-    finally:
-        client.close()
 
 
 # ---- nginx ------------------------------------------------------------------------------
@@ -225,7 +152,7 @@ class Stream:
         self.ended = False
         self.refused = False  # the server closed the namespace
         self.refusal: dict = {}  # the wire error of a refused connect
-        self._acks: dict[int, object] = {}
+        self._acks: dict[int, dict] = {}
         self._next_id = 0
         self.ws: websocket.WebSocket | None = None
 
@@ -233,7 +160,7 @@ class Stream:
         sslopt = {"ca_certs": str(self.ca)} if self.ca else None
         self.ws = websocket.create_connection(self.url, timeout=timeout, sslopt=sslopt)
         opening = self.ws.recv()
-        assert opening.startswith("0"), opening
+        assert isinstance(opening, str) and opening.startswith("0"), opening
         self.handshake = json.loads(opening[1:])
         self.ws.send(f"40{NAMESPACE}," + json.dumps({"sample_rate": 16000}))
         if not self._pump_until(lambda: self.session or self.errors or self.refused, timeout):
@@ -242,22 +169,28 @@ class Stream:
             raise ConnectionError(f"session refused: {self.refusal or self.errors}")
         return self
 
+    @property
+    def socket(self) -> websocket.WebSocket:
+        if self.ws is None:
+            raise ConnectionError("not connected")
+        return self.ws
+
     def _pump_until(self, done, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while not done():
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            self.ws.settimeout(left)
+            self.socket.settimeout(left)
             try:
-                self._handle(self.ws.recv())
+                self._handle(self.socket.recv())
             except websocket.WebSocketTimeoutException:
                 return bool(done())
         return True
 
     def _handle(self, frame) -> None:
         if frame == "2":  # Engine.IO ping: answer or the server drops us
-            self.ws.send("3")
+            self.socket.send("3")
             return
         if not isinstance(frame, str) or not frame.startswith("4"):
             return
@@ -287,9 +220,9 @@ class Stream:
         ack_id, self._next_id = self._next_id, self._next_id + 1
         for frame in frames:
             if isinstance(frame, bytes):
-                self.ws.send_binary(frame)
+                self.socket.send_binary(frame)
             else:
-                self.ws.send(frame.format(ns=NAMESPACE, id=ack_id))
+                self.socket.send(frame.format(ns=NAMESPACE, id=ack_id))
         assert self._pump_until(lambda: ack_id in self._acks or self.refused, timeout), "no ack"
         assert not self.refused, f"the server closed the session: {self.errors}"
         return self._acks.pop(ack_id)

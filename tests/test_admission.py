@@ -12,30 +12,35 @@ import threading
 import pytest
 import requests
 
-from cosyvoice.embedded_redis import EmbeddedRedis
-
-from .helpers import terminate, wait_for
-from .stack import Stream, start_gateway, start_worker, wait_workers
+from . import launcher
+from .helpers import TEST_ENV
+from .launcher import Gateway, WorkerPool, wait_for
+from .stack import Stream
 
 CAPACITY = 3
 GATEWAY_ENV = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0", "COSYVOICE_OVERLOAD_RETRY_MS": "1500"}
 
 
 @pytest.fixture(scope="module")
-def admission_service(tmp_path_factory, artifacts):
+def admission_service(tmp_path_factory, artifacts, module_redis):
     workdir = tmp_path_factory.mktemp("admission")
-    server = EmbeddedRedis().start()
-    parts = [start_gateway(server.url, workdir, "gateway-1", processes=2, extra_env=GATEWAY_ENV),
-             start_gateway(server.url, workdir, "gateway-2", processes=1, extra_env=GATEWAY_ENV),
-             start_worker(server.url, workdir, "worker", processes=1, capacity=CAPACITY)]
+    env = {**TEST_ENV, **GATEWAY_ENV}
+    parts: list[Gateway | WorkerPool] = []
+    gateways: list[Gateway] = []
     try:
-        wait_workers(server.url, 1)
-        yield [p.url for p in parts[:2]]
+        for name, processes in (("gateway-1", 2), ("gateway-2", 1)):
+            gateways.append(launcher.start_gateway(module_redis.url, gunicorn=True,
+                                                   processes=processes, env=env, logs=workdir,
+                                                   name=name))
+            parts.append(gateways[-1])
+        parts.append(launcher.start_worker_pool(module_redis.url, capacity=CAPACITY,
+                                                logs=workdir, name="worker"))
+        yield [g.url for g in gateways]
     finally:
+        launcher.stop(*(part.proc for part in parts))
         for part in parts:
-            terminate(part.proc)
+            assert part.log is not None
             (artifacts / f"admission-{part.log.name}").write_bytes(part.log.read_bytes())
-        server.stop()
 
 
 def burst(urls: list[str], n: int) -> tuple[list[Stream], list[dict]]:

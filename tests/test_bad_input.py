@@ -10,11 +10,13 @@ import time
 
 import pytest
 import redis
+from flask import Flask
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cosyvoice import bus as busmod
 from cosyvoice import tokens
+from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.errors import ERROR_CODES, CosyvoiceError
 from cosyvoice.limits import TokenBucket, parse_auth
 from cosyvoice.protocol import NAMESPACE, decode_chunk, encode_chunk
@@ -30,22 +32,21 @@ CHUNK = b"\x01\x00" * 3200  # 200 ms at 16 kHz
 SECRET = "test-secret"
 
 
-@pytest.fixture(scope="module")
-def rds(module_redis):
-    client = redis.Redis.from_url(module_redis.url)
+@pytest.fixture(scope="module", autouse=True)
+def worker_stand_in(module_redis_client):
     # Admission control needs worker capacity: this heartbeat stands in for a worker
     # (no worker decodes in these tests).
-    busmod.Bus(client).heartbeat("bad-input-stand-in", 10**6, 600_000)
-    return client
+    busmod.Bus(module_redis_client).heartbeat("bad-input-stand-in", 10**6, 600_000)
 
 
-def make_app(module_redis, rds, **overrides):
-    return create_app(Settings(redis_url=module_redis.url, **overrides), rds, relay_results=False)
+def make_app(server: EmbeddedRedis, client: redis.Redis, **overrides) -> Flask:
+    return create_app(Settings(redis_url=server.url, **overrides), client, relay_results=False)
 
 
 @pytest.fixture(scope="module")
-def app(module_redis, rds):
-    return make_app(module_redis, rds, rate_limit_factor=0, max_sessions_per_client=0)
+def app(module_redis, module_redis_client):
+    return make_app(module_redis, module_redis_client, rate_limit_factor=0,
+                    max_sessions_per_client=0)
 
 
 def connect(app, auth=None):
@@ -86,8 +87,8 @@ def test_unknown_auth_keys_are_ignored(app):
     client.disconnect(NAMESPACE)
 
 
-def test_token_auth(module_redis, rds):
-    app = make_app(module_redis, rds, auth_secret=SECRET, token_ttl_s=60)
+def test_token_auth(module_redis, module_redis_client):
+    app = make_app(module_redis, module_redis_client, auth_secret=SECRET, token_ttl_s=60)
     for auth in (None, {"token": "forged"}, {"token": tokens.issue("other-secret")}):
         c = connect(app, auth=auth)
         assert not c.is_connected(NAMESPACE)
@@ -115,9 +116,9 @@ def test_cli_issues_tokens_the_gateway_accepts():
     assert tokens.verify(SECRET, proc.stdout.strip(), 60) == "alice"
 
 
-def test_overloaded_when_no_capacity(module_redis, rds):
-    app = make_app(module_redis, rds)
-    bus = busmod.Bus(rds)
+def test_overloaded_when_no_capacity(module_redis, module_redis_client):
+    app = make_app(module_redis, module_redis_client)
+    bus = busmod.Bus(module_redis_client)
     bus.remove_worker("bad-input-stand-in")
     try:
         bus.heartbeat("tiny-stand-in", 0, 600_000)  # a live worker with no capacity
@@ -129,9 +130,10 @@ def test_overloaded_when_no_capacity(module_redis, rds):
         bus.heartbeat("bad-input-stand-in", 10**6, 600_000)
 
 
-def test_sessions_per_client_address_are_limited(module_redis, rds):
-    app = make_app(module_redis, rds, max_sessions_per_client=2)
-    rds.delete(busmod.client_key("127.0.0.1"))  # sessions of earlier tests in this module
+def test_sessions_per_client_address_are_limited(module_redis, module_redis_client):
+    app = make_app(module_redis, module_redis_client, max_sessions_per_client=2)
+    # sessions of earlier tests in this module
+    module_redis_client.delete(busmod.client_key("127.0.0.1"))
     first, second = connect(app), connect(app)
     assert first.is_connected(NAMESPACE) and second.is_connected(NAMESPACE)
     third = connect(app)
@@ -146,15 +148,17 @@ def test_sessions_per_client_address_are_limited(module_redis, rds):
 
 # ---- chunks ------------------------------------------------------------------------
 
-def test_rate_limit_refuses_chunks_beyond_the_budget_and_keeps_the_rest(module_redis, rds):
-    app = make_app(module_redis, rds, rate_limit_factor=1.0, rate_limit_burst_s=1.0)
+def test_rate_limit_refuses_chunks_beyond_the_budget_and_keeps_the_rest(module_redis,
+                                                                        module_redis_client):
+    app = make_app(module_redis, module_redis_client, rate_limit_factor=1.0,
+                   rate_limit_burst_s=1.0)
     c = connect(app)
     sid = [e for e in received(c) if e["name"] == "session"][0]["args"][0]["session"]
     acks = [send(c, encode_chunk(CHUNK, seq)) for seq in range(5)]  # 1 s of audio: the burst
     assert acks == [{"seq": s} for s in range(5)]
     refused = send(c, encode_chunk(CHUNK, 5))
     assert refused == {"error": "rate_limited", "seq": 5}
-    assert rds.xlen(busmod.audio_key(sid)) == 5, "nothing accepted was lost"
+    assert module_redis_client.xlen(busmod.audio_key(sid)) == 5, "nothing accepted was lost"
     time.sleep(0.25)  # the bucket refills at real time
     assert send(c, encode_chunk(CHUNK, 5)) == {"seq": 5}
     c.disconnect(NAMESPACE)
@@ -167,8 +171,8 @@ def test_rate_limit_can_be_turned_off(app):
     c.disconnect(NAMESPACE)
 
 
-def test_session_length_is_limited(module_redis, rds):
-    app = make_app(module_redis, rds, max_session_s=0.5, rate_limit_factor=0)
+def test_session_length_is_limited(module_redis, module_redis_client):
+    app = make_app(module_redis, module_redis_client, max_session_s=0.5, rate_limit_factor=0)
     c = connect(app)
     assert send(c, encode_chunk(CHUNK, 0)) == {"seq": 0}
     time.sleep(0.6)

@@ -11,32 +11,25 @@ import contextlib
 import re
 import shutil
 import signal
+import subprocess
 import time
 import wave
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 import redis
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import ConsoleMessage, Page, ViewportSize, expect, sync_playwright
 
 from cosyvoice import bus as busmod
 from cosyvoice import tokens
 from cosyvoice.client import StreamingClient
-from cosyvoice.embedded_redis import EmbeddedRedis, free_port
+from cosyvoice.embedded_redis import free_port
 
-from .conftest import TEST_GRACE_S, start_service, stop_service
-from .helpers import (
-    FIXTURES,
-    direct_decode,
-    fixture_texts,
-    read_pcm,
-    spawn,
-    terminate,
-    wait_http,
-    wer,
-)
+from . import launcher
+from .helpers import FIXTURES, TEST_ENV, direct_decode, fixture_texts, read_pcm, wer
 
 TEXTS = fixture_texts()
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -87,7 +80,11 @@ class Observed:
     urls: list[str] = field(default_factory=list)
 
     def watch(self, page: Page) -> None:
-        page.on("console", lambda m: m.type == "error" and self.console_errors.append(m.text))
+        def on_console(message: ConsoleMessage) -> None:
+            if message.type == "error":
+                self.console_errors.append(message.text)
+
+        page.on("console", on_console)
         page.on("pageerror", lambda e: self.console_errors.append(str(e)))
         page.on("request", lambda r: self.urls.append(r.url))
         page.on("websocket", lambda ws: self.urls.append(ws.url))
@@ -98,7 +95,8 @@ class Observed:
 
 
 @contextlib.contextmanager
-def browser_page(viewport: dict, microphone_wav: Path | None = None, allow_microphone: bool = True):
+def browser_page(viewport: ViewportSize, microphone_wav: Path | None = None,
+                 allow_microphone: bool = True) -> Iterator[tuple[Page, Observed]]:
     """A fresh headless Chromium (own temporary profile) with one page, and what it did."""
     args = list(BASE_ARGS)
     if allow_microphone:
@@ -198,22 +196,21 @@ def test_denied_microphone_says_how_to_allow_it(service):
 def own_gateway_process(redis_url: str, artifacts: Path, extra_env: dict | None = None):
     """A gateway process of the test's own on a free port; restartable with `start`."""
     port = free_port()
-    env = {"COSYVOICE_REDIS_URL": redis_url, "COSYVOICE_PORT": str(port),
-           "COSYVOICE_SESSION_GRACE_S": str(TEST_GRACE_S), **(extra_env or {})}
+    env = {**TEST_ENV, **(extra_env or {})}
     url = f"http://127.0.0.1:{port}"
-    procs = []
+    procs: list[subprocess.Popen] = []
 
-    def start():
-        procs.append(spawn(["gateway"], env, artifacts / f"own-gateway-{port}.log"))
-        wait_http(url + "/healthz", procs[-1])
-        return procs[-1]
+    def start() -> subprocess.Popen:
+        gateway = launcher.start_gateway(redis_url, env=env, logs=artifacts,
+                                         name=f"own-gateway-{port}", port=port)
+        procs.append(gateway.proc)
+        return gateway.proc
 
     start()
     try:
         yield url, start, procs
     finally:
-        for proc in procs:
-            terminate(proc)
+        launcher.stop(*procs)
 
 
 @pytest.fixture
@@ -316,15 +313,13 @@ def test_service_requiring_a_token_refuses_the_page_without_one_and_takes_it_fro
 def isolated_service(artifacts: Path, name: str, extra_env: dict):
     """Gateway and one worker process on a Redis of their own, for limits no other test
     may disturb (capacity, sessions per address)."""
-    server = EmbeddedRedis().start()
-    try:
-        svc = start_service(server.url, artifacts, name, processes=1, extra_env=extra_env)
+    with launcher.redis_server() as server:
+        svc = launcher.start_service(server.url, processes=1, env={**TEST_ENV, **extra_env},
+                                     logs=artifacts, name=name)
         try:
             yield svc
         finally:
-            stop_service(svc)
-    finally:
-        server.stop()
+            svc.stop()
 
 
 def test_page_says_when_the_service_is_at_capacity(artifacts):

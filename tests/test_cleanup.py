@@ -11,11 +11,11 @@ import redis
 from cosyvoice import bus as busmod
 from cosyvoice import sweeper
 from cosyvoice.client import StreamingClient
-from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.protocol import encode_chunk
 
-from .conftest import start_service, stop_service
-from .helpers import read_pcm, wait_for
+from . import launcher
+from .helpers import TEST_ENV, read_pcm
+from .launcher import wait_for
 
 SESSION_PREFIXES = ("session:", "audio:", "text:", "lease:", "client:")
 
@@ -30,16 +30,14 @@ def dataset_bytes(rds: redis.Redis) -> int:
 
 
 @pytest.fixture(scope="module")
-def churn_service(artifacts):
+def churn_service(artifacts, module_redis):
     """Its own Redis, so the memory comparison sees only these sessions; a short grace
     and lease renewal so 1000 sessions fit through 8 decoders in reasonable time."""
-    server = EmbeddedRedis().start()
-    svc = start_service(server.url, artifacts, "churn", extra_env={
-        "COSYVOICE_SESSION_GRACE_S": str(CHURN_GRACE_S), "COSYVOICE_LEASE_RENEW_MS": "100",
-        "COSYVOICE_OVERLOAD_RETRY_MS": "100"})
+    svc = launcher.start_service(module_redis.url, logs=artifacts, name="churn", env={
+        **TEST_ENV, "COSYVOICE_SESSION_GRACE_S": str(CHURN_GRACE_S),
+        "COSYVOICE_LEASE_RENEW_MS": "100", "COSYVOICE_OVERLOAD_RETRY_MS": "100"})
     yield svc
-    stop_service(svc)
-    server.stop()
+    svc.stop()
 
 
 CHURN_GRACE_S = 0.3
@@ -79,20 +77,20 @@ def test_a_thousand_sessions_come_and_go_without_a_trace(churn_service):
 
 
 @pytest.mark.fast
-def test_the_sweeper_deletes_sessions_nobody_will_end(redis_server):
-    rds = redis.Redis.from_url(redis_server.url)
-    bus = busmod.Bus(rds)
+def test_the_sweeper_deletes_sessions_nobody_will_end(redis_client):
+    bus = busmod.Bus(redis_client)
+    abandoned, fresh = "abandoned0000000000000000", "fresh0000000000000000000"
+    silence = encode_chunk(b"\0\0" * 3200, 0)
     # a session whose gateway died: no disconnect handler ever set its expiry
-    bus.create_session("abandoned0000000000000000", 16000)
-    bus.announce("abandoned0000000000000000")
-    bus.append_chunks([("abandoned0000000000000000", 0, encode_chunk(b"\0\0" * 3200, 0), 16000, False)])
-    bus.create_session("fresh0000000000000000000", 16000)
-    bus.announce("fresh0000000000000000000")
+    bus.create_session(abandoned, 16000)
+    bus.announce(abandoned)
+    bus.append_chunks([(abandoned, 0, silence, 16000, False)])
+    bus.create_session(fresh, 16000)
+    bus.announce(fresh)
     time.sleep(0.6)
-    bus.append_chunks([("fresh0000000000000000000", 0, encode_chunk(b"\0\0" * 3200, 0), 16000, False)])
+    bus.append_chunks([(fresh, 0, silence, 16000, False)])
     assert sweeper.sweep(bus, "sweeper-test", idle_s=0.5, force=True) == 1
-    assert not any(rds.exists(k) for k in busmod.session_keys("abandoned0000000000000000"))
-    assert rds.exists(busmod.audio_key("fresh0000000000000000000"))
-    assert "abandoned0000000000000000" not in [a.sid for a in bus.announcements()]
-    bus.delete_session("fresh0000000000000000000")
-    rds.close()
+    assert not any(redis_client.exists(k) for k in busmod.session_keys(abandoned))
+    assert redis_client.exists(busmod.audio_key(fresh))
+    assert abandoned not in [a.sid for a in bus.announcements()]
+    bus.delete_session(fresh)

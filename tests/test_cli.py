@@ -25,17 +25,8 @@ from cosyvoice import cli, tokens
 from cosyvoice.audio import read_wav
 from cosyvoice.embedded_redis import free_port
 
-from .helpers import (
-    FIXTURES,
-    ROOT,
-    direct_decode,
-    fixture_texts,
-    read_pcm,
-    spawn,
-    terminate,
-    wait_http,
-    wer,
-)
+from . import launcher
+from .helpers import FIXTURES, ROOT, direct_decode, fixture_texts, read_pcm, wer
 
 WEATHER = FIXTURES / "weather.wav"
 SECRET = "cli-test-secret"
@@ -258,14 +249,11 @@ def test_an_untrusted_certificate_exits_4(tls_server):
 @pytest.fixture(scope="module")
 def workerless_gateway(module_redis, artifacts):
     """A gateway with token auth and no worker: a signed client is refused as overloaded."""
-    port = free_port()
-    env = {"COSYVOICE_REDIS_URL": module_redis.url, "COSYVOICE_PORT": str(port),
-           "COSYVOICE_AUTH_SECRET": SECRET, "COSYVOICE_OVERLOAD_RETRY_MS": "50"}
-    gateway = spawn(["gateway"], env, artifacts / "cli-gateway.log")
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/healthz", gateway)
-    yield url, port
-    terminate(gateway)
+    env = {"COSYVOICE_AUTH_SECRET": SECRET, "COSYVOICE_OVERLOAD_RETRY_MS": "50"}
+    gateway = launcher.start_gateway(module_redis.url, env=env, logs=artifacts,
+                                     name="cli-gateway")
+    yield gateway.url, gateway.port
+    launcher.stop(gateway.proc)
 
 
 def test_refusals_exit_5(workerless_gateway, service):
@@ -301,6 +289,7 @@ def test_ctrl_c_exits_130_without_a_traceback(service):
                              str(FIXTURES / "harvard_long.wav"), "--url", service.url, "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=os.environ.copy())
+    assert proc.stdout is not None
     assert '"event": "session"' in proc.stdout.readline()
     time.sleep(1.0)  # streaming now
     proc.send_signal(signal.SIGINT)

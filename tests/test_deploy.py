@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
@@ -21,24 +22,21 @@ import requests
 from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.protocol import encode_chunk
 
-from .helpers import ROOT, direct_decode, fixture_texts, read_pcm, terminate, wait_for, wer
+from . import launcher
+from .helpers import ROOT, TEST_ENV, direct_decode, fixture_texts, read_pcm, wer
+from .launcher import Gateway, WorkerPool, wait_for
 from .stack import (
     COMPOSE,
     GATEWAY_COMMAND,
     WORKER_COMMAND,
-    Gateway,
     Nginx,
     Stream,
-    WorkerPool,
     nginx_args,
     render,
     render_env,
     scrape,
-    start_gateway,
     start_nginx,
-    start_worker,
     trusting,
-    wait_workers,
 )
 
 TEXTS = fixture_texts()
@@ -57,28 +55,41 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, artifacts):
     work = tmp_path_factory.mktemp("deploy")
-    redis_server = EmbeddedRedis(workdir=str(work / "redis")).start()
-    gateways, workers, nginx = [], [], None
+    started: list[subprocess.Popen] = []
     try:
-        gateways.append(start_gateway(redis_server.url, work, "gateway-a", processes=1,
-                                      extra_env=DEBUG_MEM_ENV))
-        gateways.append(start_gateway(redis_server.url, work, "gateway-b", processes=2))
-        # Room for every session the tests hold at once (admission control refuses more).
-        workers.append(start_worker(redis_server.url, work, "worker-1", capacity=CAPACITY,
-                                    metrics=True, extra_env=DEBUG_MEM_ENV))
-        workers.append(start_worker(redis_server.url, work, "worker-2", capacity=CAPACITY,
-                                    metrics=True))
-        wait_workers(redis_server.url, 2)
-        nginx = start_nginx(work / "nginx", [g.url.removeprefix("http://") for g in gateways])
-        yield Stack(redis_server, gateways, workers, nginx)
+        with launcher.redis_server(work / "redis") as redis_server:
+            try:
+                yield Stack(redis_server, *_start_parts(redis_server.url, work, started))
+            finally:
+                launcher.stop(*started)
     finally:
-        for proc in [nginx.proc] if nginx else []:
-            terminate(proc)
-        for part in gateways + workers:
-            terminate(part.proc)
-        redis_server.stop()
         for log in work.rglob("*.log"):
             shutil.copy(log, artifacts / ("deploy-" + "-".join(log.relative_to(work).parts)))
+
+
+def _start_parts(redis_url: str, work: Path, started: list[subprocess.Popen]
+                 ) -> tuple[list[Gateway], list[WorkerPool], Nginx]:
+    """Two gateway instances, two worker pools and nginx; each process goes into
+    ``started`` as soon as it runs, for the caller to stop."""
+    gateways = [launcher.start_gateway(redis_url, gunicorn=True, processes=1,
+                                       env={**TEST_ENV, **DEBUG_MEM_ENV}, logs=work,
+                                       name="gateway-a")]
+    started.append(gateways[0].proc)
+    gateways.append(launcher.start_gateway(redis_url, gunicorn=True, processes=2, env=TEST_ENV,
+                                           logs=work, name="gateway-b"))
+    started.append(gateways[1].proc)
+    # Room for every session the tests hold at once (admission control refuses more).
+    workers = [launcher.start_worker_pool(redis_url, capacity=CAPACITY, metrics=True,
+                                          env=DEBUG_MEM_ENV, logs=work, name="worker-1",
+                                          wait=False)]
+    started.append(workers[0].proc)
+    workers.append(launcher.start_worker_pool(redis_url, capacity=CAPACITY, metrics=True,
+                                              logs=work, name="worker-2", wait=False))
+    started.append(workers[1].proc)
+    launcher.wait_workers(redis_url, 2)
+    nginx = start_nginx(work / "nginx", [g.url.removeprefix("http://") for g in gateways])
+    started.insert(0, nginx.proc)
+    return gateways, workers, nginx
 
 
 def https(stack: Stack) -> requests.Session:
@@ -103,7 +114,8 @@ def test_compose_runs_the_commands_these_tests_run():
     assert all(f"server {name}:8000;" in upstreams for name in gateways)
     # Every placeholder of nginx.conf is substituted by the render script, set for the
     # image's envsubst, and set by the test.
-    placeholders = set(re.findall(r"\$\{(NGINX_[A-Z_]+)\}", (ROOT / "deploy" / "nginx.conf").read_text()))
+    conf = (ROOT / "deploy" / "nginx.conf").read_text()
+    placeholders = set(re.findall(r"\$\{(NGINX_[A-Z_]+)\}", conf))
     script = (ROOT / "deploy" / "render-nginx.sh").read_text()
     assert placeholders == set(re.findall(r"\$\{(NGINX_[A-Z_]+)\}", script.splitlines()[-1]))
     assert placeholders <= set(nginx["environment"])
@@ -112,7 +124,8 @@ def test_compose_runs_the_commands_these_tests_run():
 
 def _compose_cli() -> list[str]:
     docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+    if docker and subprocess.run([docker, "compose", "version"],
+                                 capture_output=True).returncode == 0:
         return [docker, "compose"]
     legacy = shutil.which("docker-compose")
     assert legacy, "neither `docker compose` nor docker-compose is installed (.ci/run installs it)"
@@ -154,13 +167,15 @@ def test_speech_over_wss_through_nginx_reaches_both_gateways(stack):
         # Opened straight over WebSocket, and the server offers no other transport.
         assert [s.handshake["upgrades"] for s in streams] == [[], []]
         with ThreadPoolExecutor(len(names)) as pool:
-            acks = list(pool.map(lambda sn: sn[0].send_pcm(read_pcm(sn[1])), zip(streams, names)))
+            acks = list(pool.map(lambda sn: sn[0].send_pcm(read_pcm(sn[1])),
+                                 zip(streams, names, strict=True)))
         assert all("error" not in a for ack in acks for a in ack)
-        for stream, name in zip(streams, names):
+        for stream, name in zip(streams, names, strict=True):
             assert stream.wait_end(60), f"{name}: no end"
             assert not stream.errors
             reference = TEXTS[name]
-            assert wer(reference, stream.text) <= wer(reference, direct_decode(read_pcm(name))) + 0.01
+            direct = direct_decode(read_pcm(name))
+            assert wer(reference, stream.text) <= wer(reference, direct) + 0.01
     finally:
         for s in streams:
             s.close()
@@ -195,13 +210,15 @@ def test_page_comes_with_security_headers(stack):
     assert headers["X-Frame-Options"] == "DENY"
     assert "microphone=(self)" in headers["Permissions-Policy"]
     # Errors carry them too.
-    assert "Content-Security-Policy" in https(stack).get(stack.nginx.url + "/nope", timeout=10).headers
+    not_found = https(stack).get(stack.nginx.url + "/nope", timeout=10)
+    assert "Content-Security-Policy" in not_found.headers
 
 
 def _handshake(stack: Stack, version: str) -> subprocess.CompletedProcess:
     # SECLEVEL=0 lets this client offer the old protocols, so the server is what refuses.
-    return subprocess.run(["openssl", "s_client", "-connect", f"127.0.0.1:{stack.nginx.https_port}",
-                           version, "-cipher", "DEFAULT@SECLEVEL=0", "-CAfile", str(stack.nginx.ca)],
+    return subprocess.run(["openssl", "s_client",
+                           "-connect", f"127.0.0.1:{stack.nginx.https_port}", version,
+                           "-cipher", "DEFAULT@SECLEVEL=0", "-CAfile", str(stack.nginx.ca)],
                           input="", capture_output=True, text=True, timeout=30)
 
 
@@ -245,7 +262,8 @@ def test_gateway_metrics_add_up_its_processes_and_move_with_traffic(stack):
         wait_for(lambda: _gateway_totals(gateway)["cosyvoice_sessions_active"] >= 4, timeout=20)
         for stream in streams:
             for seq in range(3):
-                assert stream.send(encode_chunk(pcm[seq * 6400:(seq + 1) * 6400], seq)) == {"seq": seq}
+                chunk = pcm[seq * 6400:(seq + 1) * 6400]
+                assert stream.send(encode_chunk(chunk, seq)) == {"seq": seq}
             assert stream.send(encode_chunk(pcm[:6400], 0)) == {"seq": 0, "duplicate": True}
             assert stream.send(b"\xff junk")["error"] == "bad_chunk"
             # 1.5 s of audio: over COSYVOICE_MAX_CHUNK_MS
@@ -259,7 +277,8 @@ def test_gateway_metrics_add_up_its_processes_and_move_with_traffic(stack):
             assert delta['cosyvoice_chunks_rejected_total{code="bad_chunk"}'] == 4
             assert delta['cosyvoice_chunks_rejected_total{code="too_large"}'] == 4
             assert delta["cosyvoice_chunk_ack_seconds_count"] == 16
-            assert after["cosyvoice_chunk_ack_seconds_sum"] > before["cosyvoice_chunk_ack_seconds_sum"]
+            ack_seconds = "cosyvoice_chunk_ack_seconds_sum"
+            assert after[ack_seconds] > before[ack_seconds]
     finally:
         for stream in streams:
             stream.close(stop=True)
@@ -269,6 +288,7 @@ def test_gateway_metrics_add_up_its_processes_and_move_with_traffic(stack):
 def _worker_totals(stack: Stack) -> dict[str, float]:
     totals: dict[str, float] = {}
     for pool in stack.workers:
+        assert pool.metrics_url is not None
         for key, value in scrape(pool.metrics_url).items():
             totals[key] = totals.get(key, 0.0) + value
     return totals
@@ -282,7 +302,8 @@ def test_worker_metrics_show_load_capacity_and_decode_lag(stack):
     try:
         chunks = read_pcm("weather")
         for seq in range(5):
-            assert stream.send(encode_chunk(chunks[seq * 6400:(seq + 1) * 6400], seq)) == {"seq": seq}
+            chunk = chunks[seq * 6400:(seq + 1) * 6400]
+            assert stream.send(encode_chunk(chunk, seq)) == {"seq": seq}
         wait_for(lambda: _worker_totals(stack)["cosyvoice_worker_sessions"] == 1, timeout=20)
         wait_for(lambda: _worker_totals(stack)["cosyvoice_decode_lag_seconds_count"]
                  > before["cosyvoice_decode_lag_seconds_count"], timeout=20)
@@ -293,21 +314,23 @@ def test_worker_metrics_show_load_capacity_and_decode_lag(stack):
 
 
 def test_gunicorn_runs_the_configured_processes_without_a_control_socket(stack):
-    for gateway, processes in zip(stack.gateways, (1, 2)):
+    for gateway, processes in zip(stack.gateways, (1, 2), strict=True):
         children = psutil.Process(gateway.proc.pid).children()
         assert len(children) == processes
-        assert not (gateway.home / ".gunicorn").exists()
+        assert gateway.home is not None and not (gateway.home / ".gunicorn").exists()
 
 
-def _log_lines(part) -> list[dict]:
+def _log_lines(part: Gateway | WorkerPool) -> list[dict]:
     """Every complete line of a process's log, parsed (each must be JSON)."""
+    assert part.log is not None
     text = part.log.read_text()
     complete = text[:text.rfind("\n") + 1]  # a line being written is not finished yet
     return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
-def _events(parts, sid: str) -> set[str]:
-    return {r.get("event") for part in parts for r in _log_lines(part) if r.get("session") == sid}
+def _events(parts: list[Gateway] | list[WorkerPool], sid: str) -> set[str | None]:
+    return {r.get("event") for part in parts for r in _log_lines(part)
+            if r.get("session") == sid}
 
 
 def test_logs_are_json_lines_with_session_and_event_and_no_transcript(stack):
@@ -333,7 +356,7 @@ def test_logs_are_json_lines_with_session_and_event_and_no_transcript(stack):
 
 def test_debug_mem_logs_top_allocations_and_rss_in_gateway_and_worker(stack):
     for part in (stack.gateways[0], stack.workers[0]):
-        def dumps():
+        def dumps(part: Gateway | WorkerPool = part) -> list[dict]:
             return [r for r in _log_lines(part) if r.get("event") == "debug_mem" and "top" in r]
         records = wait_for(dumps, timeout=30)
         assert 0 < len(records[-1]["top"]) <= 20

@@ -18,15 +18,16 @@ import socketio
 
 from cosyvoice import bus as busmod
 from cosyvoice.client import StreamingClient
-from cosyvoice.embedded_redis import EmbeddedRedis
 
-from .conftest import start_service, stop_service
-from .helpers import read_pcm, wait_for
+from . import launcher
+from .helpers import TEST_ENV, read_pcm
+from .launcher import wait_for
 from .netfault import CuttableProxy
 
 GRACE_S = 5.0
-FAULT_ENV = {"COSYVOICE_SESSION_GRACE_S": str(GRACE_S), "COSYVOICE_LEASE_TTL_MS": "1500",
-             "COSYVOICE_LEASE_RENEW_MS": "300", "COSYVOICE_CLAIM_INTERVAL_MS": "300"}
+FAULT_ENV = {**TEST_ENV, "COSYVOICE_SESSION_GRACE_S": str(GRACE_S),
+             "COSYVOICE_LEASE_TTL_MS": "1500", "COSYVOICE_LEASE_RENEW_MS": "300",
+             "COSYVOICE_CLAIM_INTERVAL_MS": "300"}
 
 
 def speech() -> bytes:
@@ -40,16 +41,15 @@ def strip(finals):
 
 @pytest.fixture(scope="module")
 def fault_redis():
-    server = EmbeddedRedis(persist=True).start()
-    yield server
-    server.stop()
+    with launcher.redis_server(persist=True) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def fault_service(fault_redis, artifacts):
-    svc = start_service(fault_redis.url, artifacts, "faults", extra_env=FAULT_ENV)
+    svc = launcher.start_service(fault_redis.url, env=FAULT_ENV, logs=artifacts, name="faults")
     yield svc
-    stop_service(svc)
+    svc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -25,19 +25,10 @@ import pytest
 import redis
 
 from cosyvoice import bus as busmod
-from cosyvoice.embedded_redis import EmbeddedRedis, free_port
+from cosyvoice.embedded_redis import free_port
 
-from .helpers import (
-    FIXTURES,
-    ROOT,
-    direct_decode,
-    fixture_texts,
-    read_pcm,
-    terminate,
-    wait_for,
-    wait_http,
-    wer,
-)
+from .helpers import FIXTURES, ROOT, direct_decode, fixture_texts, read_pcm, wer
+from .launcher import terminate, wait_for, wait_http
 from .test_locust import assert_clean, locust, stats
 
 WHISPER_PACKAGE = "openai-whisper==20250625"
@@ -116,18 +107,20 @@ def within_bound(name: str, text: str) -> bool:
     return wer(ref, text) <= wer(ref, direct_decode(read_pcm(name))) + 0.01
 
 
-def test_the_production_commands_run_from_a_plain_install(plain, app_dir, tmp_path, artifacts):
-    server = EmbeddedRedis().start()
+def test_the_production_commands_run_from_a_plain_install(plain, app_dir, tmp_path, artifacts,
+                                                           fresh_redis):
+    # The plain install's own scripts are what is tested here, so they are started as
+    # installed, in a clean environment, rather than through tests/launcher.py.
     port = free_port()
-    env = clean_env(plain, tmp_path, COSYVOICE_REDIS_URL=server.url, COSYVOICE_PORT=str(port),
-                    COSYVOICE_WORKERS="1")
+    env = clean_env(plain, tmp_path, COSYVOICE_REDIS_URL=fresh_redis.url,
+                    COSYVOICE_PORT=str(port), COSYVOICE_WORKERS="1")
     procs = [start([str(plain / "bin" / "gunicorn"), "-c", "gunicorn.conf.py",
                     "cosyvoice.webui:app"], app_dir, env, artifacts / "install-gunicorn.log"),
              start([str(plain / "bin" / "cosyvoice"), "worker"], app_dir, env,
                    artifacts / "install-worker.log"),
              start([str(plain / "bin" / "python"), "worker.py"], app_dir, env,
                    artifacts / "install-worker-py.log")]
-    client = redis.Redis.from_url(server.url)
+    client = redis.Redis.from_url(fresh_redis.url)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/readyz", procs[0], timeout=60)
@@ -143,7 +136,6 @@ def test_the_production_commands_run_from_a_plain_install(plain, app_dir, tmp_pa
         client.close()
         for p in procs:
             terminate(p)
-        server.stop()
 
 
 def test_serve_runs_from_a_plain_install(plain, app_dir, tmp_path, artifacts):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 
 import pytest
 
@@ -14,8 +15,8 @@ from cosyvoice import bus as busmod
 from cosyvoice.audio import split_chunks
 from cosyvoice.client import StreamingClient, transcribe_pcm
 
-from .conftest import TEST_GRACE_S
-from .helpers import FIXTURES, direct_decode, fixture_texts, read_pcm, wait_for, wer
+from .helpers import FIXTURES, TEST_GRACE_S, direct_decode, fixture_texts, read_pcm, wer
+from .launcher import wait_for
 
 TEXTS = fixture_texts()
 
@@ -57,7 +58,7 @@ def test_partials_arrive_before_final_then_end(transcripts, name):
 def test_partials_only_when_hypothesis_changes(transcripts):
     for result in transcripts.values():
         texts = [p["text"] for p in result.partials]
-        assert all(a != b for a, b in zip(texts, texts[1:]))
+        assert all(a != b for a, b in pairwise(texts))
 
 
 def test_two_utterances_give_two_finals_in_order(service):
@@ -76,8 +77,9 @@ def test_two_sessions_at_once_do_not_mix(service):
         results = list(pool.map(
             lambda n: transcribe_pcm(service.url, read_pcm(n), 16000, pace="realtime"), names))
     assert results[0].session != results[1].session
-    for name, result in zip(names, results):
-        assert wer(TEXTS[name], result.text) <= wer(TEXTS[name], direct_decode(read_pcm(name))) + 0.01
+    for name, result in zip(names, results, strict=True):
+        direct = direct_decode(read_pcm(name))
+        assert wer(TEXTS[name], result.text) <= wer(TEXTS[name], direct) + 0.01
         other = TEXTS[names[1 - names.index(name)]]
         assert not set(result.text.split()) & (set(other.split()) - set(TEXTS[name].split()))
 
@@ -156,7 +158,8 @@ def _raw_socket(service):
     import websocket
     ws = websocket.create_connection(
         service.url.replace("http", "ws") + "/socket.io/?EIO=4&transport=websocket", timeout=5)
-    assert ws.recv().startswith("0{")  # engine.io open packet
+    opening = ws.recv()
+    assert isinstance(opening, str) and opening.startswith("0{")  # engine.io open packet
     return ws
 
 
@@ -164,7 +167,8 @@ def _raw_socket(service):
     ["40/ws,0.0"],
     ["40/ws,{not json"],
     ["40/ws,", '42/ws,["audio_chunk"]', '42/ws,["audio_chunk",{"_placeholder":true,"num":0}]'],
-    ["4" + "x" * 1000, "garbage", "6", "451-/ws,[\"audio_chunk\",{\"_placeholder\":true,\"num\":9}]"],
+    ["4" + "x" * 1000, "garbage", "6",
+     "451-/ws,[\"audio_chunk\",{\"_placeholder\":true,\"num\":9}]"],
 ])
 def test_garbage_frames_do_not_hurt_the_gateway(service, frames):
     ws = _raw_socket(service)
@@ -191,9 +195,10 @@ def test_connections_from_other_origins_are_refused(service):
         first = ""
     finally:
         evil.shutdown()
-    assert not first.startswith("0{")
+    assert isinstance(first, str) and not first.startswith("0{")
     same = websocket.create_connection(url, origin=service.url, timeout=5)
-    assert same.recv().startswith("0{")
+    opening = same.recv()
+    assert isinstance(opening, str) and opening.startswith("0{")
     same.close()
 
 

@@ -9,35 +9,26 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import uuid
 from collections import Counter
 
 import psutil
-import pytest
 import redis
 
 from cosyvoice import bus as busmod
-from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.protocol import encode_chunk
 
-from .helpers import read_pcm, terminate, wait_for
-from .test_worker import start_worker
+from . import launcher
+from .helpers import read_pcm
+from .launcher import wait_for
 
 CAPACITY = 6
 # Long enough that a pool's replacement for a killed process is live before the killed
 # one's sessions can be taken over (as in production: 5 s lease, 0.5 s restart).
 PLACEMENT_ENV = {"COSYVOICE_LEASE_TTL_MS": "3000", "COSYVOICE_LEASE_RENEW_MS": "300",
                  "COSYVOICE_CLAIM_INTERVAL_MS": "300"}
-
-
-@pytest.fixture
-def rds():
-    server = EmbeddedRedis().start()
-    client = redis.Redis.from_url(server.url)
-    yield server, client
-    client.close()
-    server.stop()
 
 
 def open_burst(url: str, n: int, gateways: int = 4) -> list[str]:
@@ -73,18 +64,23 @@ def placement(client: redis.Redis, sessions: list[str]) -> Counter | None:
     """Sessions per live worker process, once every session has a live owner; None
     before that. Leases and the workers' loads (pending announcements) must agree."""
     live = {w["id"]: w["load"] for w in busmod.Bus(client).live_workers()}
-    owners = [client.get(busmod.lease_key(sid)) for sid in sessions]
-    if any(o is None or o.decode() not in live for o in owners):
+    leases = [client.get(busmod.lease_key(sid)) for sid in sessions]
+    owners = [busmod.text(o) if o is not None else None for o in leases]
+    if any(o is None or o not in live for o in owners):
         return None
-    counts = Counter(o.decode() for o in owners)
+    counts = Counter(owners)
     if any(counts.get(wid, 0) != load for wid, load in live.items()):
         return None
     return Counter({wid: counts.get(wid, 0) for wid in live})
 
 
-def settled(client, sessions, processes: int) -> Counter:
-    return wait_for(lambda: (lambda c: c if c is not None and len(c) == processes else None)(
-        placement(client, sessions)), timeout=30, interval=0.1)
+def settled(client: redis.Redis, sessions: list[str], processes: int) -> Counter:
+    """The placement once every session is owned by one of ``processes`` live processes."""
+    def placed() -> Counter | None:
+        counts = placement(client, sessions)
+        return counts if counts is not None and len(counts) == processes else None
+
+    return wait_for(placed, timeout=30, interval=0.1)
 
 
 def spread(counts: Counter) -> int:
@@ -95,15 +91,17 @@ def pid_of(worker_id: str) -> int:
     return int(worker_id.split("-")[-2])
 
 
-def test_sessions_spread_evenly_over_worker_processes(rds, artifacts):
-    server, client = rds
+def test_sessions_spread_evenly_over_worker_processes(fresh_redis, fresh_redis_client,
+                                                      artifacts):
+    server, client = fresh_redis, fresh_redis_client
     bus = busmod.Bus(client)
     # three processes in two pools: one of two processes, one of one
-    pools = [start_worker(server, artifacts, "placement-a", capacity=CAPACITY, processes=2,
-                          extra_env=PLACEMENT_ENV),
-             start_worker(server, artifacts, "placement-b", capacity=CAPACITY, processes=1,
-                          extra_env=PLACEMENT_ENV)]
+    pools: list[subprocess.Popen] = []
     try:
+        for name, processes in (("placement-a", 2), ("placement-b", 1)):
+            pools.append(launcher.start_worker_pool(server.url, processes=processes,
+                                                    capacity=CAPACITY, env=PLACEMENT_ENV,
+                                                    logs=artifacts, name=name).proc)
         wait_for(lambda: len(bus.live_workers()) == 3, timeout=30)
 
         # a burst of 10 sessions from four "gateways"
@@ -138,6 +136,5 @@ def test_sessions_spread_evenly_over_worker_processes(rds, artifacts):
         counts = settled(client, sessions, 2)
         assert sorted(counts.values()) == [5, 5], counts
     finally:
-        for pool in pools:
-            terminate(pool)
+        launcher.stop(*pools)
 

@@ -12,7 +12,8 @@ CHUNK = b"\x01\x02" * 3200 + b"\x00" * 30  # a 200 ms chunk's protobuf size
 
 
 @pytest.fixture
-def client(redis_server):
+def gateway_redis_client(redis_server):
+    """A Redis client made as the gateway makes its own, with a pool of one connection."""
     client = busmod.connect(redis_server.url, max_connections=1)
     yield client
     client.close()
@@ -38,7 +39,8 @@ def watch_writes(client) -> list[int]:
     return writes
 
 
-def test_a_batch_of_chunks_is_one_write_and_one_round_trip(client):
+def test_a_batch_of_chunks_is_one_write_and_one_round_trip(gateway_redis_client):
+    client = gateway_redis_client
     bus = busmod.Bus(client)
     sids = [f"paths-{i}" for i in range(3)]
     for sid in sids:
@@ -53,7 +55,8 @@ def test_a_batch_of_chunks_is_one_write_and_one_round_trip(client):
         client.delete(*busmod.session_keys(sid))
 
 
-def test_appends_survive_a_flushed_script_cache(client):
+def test_appends_survive_a_flushed_script_cache(gateway_redis_client):
+    client = gateway_redis_client
     bus = busmod.Bus(client)
     bus.create_session("paths-flush", 16000)
     assert bus.append_chunks([("paths-flush", 0, CHUNK, 16000, False)])[0].status == 0

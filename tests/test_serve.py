@@ -13,7 +13,8 @@ import psutil
 from cosyvoice.client import transcribe_pcm
 from cosyvoice.embedded_redis import free_port
 
-from .helpers import ROOT, direct_decode, fixture_texts, read_pcm, wait_http, wer
+from .helpers import ROOT, direct_decode, fixture_texts, read_pcm, wer
+from .launcher import wait_http
 
 
 def test_serve_runs_everything_and_ctrl_c_leaves_nothing_behind(artifacts):
@@ -36,7 +37,8 @@ def test_serve_runs_everything_and_ctrl_c_leaves_nothing_behind(artifacts):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         time.sleep(0.2)
-        assert [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+        left = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert left == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -15,10 +15,9 @@ import socketio
 from cosyvoice.asr import WHISPER_BACKENDS, model_data
 from cosyvoice.asr.whisper_engine import CT2Whisper, TorchWhisper, _float_audio
 from cosyvoice.client import transcribe_pcm
-from cosyvoice.embedded_redis import EmbeddedRedis
 
-from .conftest import start_service, stop_service
-from .helpers import FIXTURES, fixture_texts, read_pcm
+from . import launcher
+from .helpers import FIXTURES, TEST_ENV, fixture_texts, read_pcm
 
 SENTENCES = fixture_texts()
 HARVARD = dict(line.split("\t", 1) for line in
@@ -158,6 +157,28 @@ def test_an_official_openai_checkpoint_can_be_used_instead(tmp_path, model_dir, 
         model_data.convert(tmp_path / "cache2", source=tmp_path / "missing.pt")
 
 
+@pytest.mark.fast
+def test_finals_use_a_short_window_and_a_runaway_is_decoded_again_in_the_full_one(
+        model_dir, monkeypatch):
+    from cosyvoice.asr import whisper_engine
+    from cosyvoice.asr.whisper_engine import degenerate, token_cap, window_s
+    backend = TorchWhisper(str(model_data.checkpoint_path(model_dir)), window_floor_s=10)
+    audio = _float_audio(read_pcm("rice"))
+    duration = len(audio) / 16000
+    assert window_s(duration, 10) == 10
+    text, _ = backend.decode([audio])[0]
+    assert NORMALIZE(text) == NORMALIZE(TEXTS["rice"]) and backend.redecodes == 0
+    # 3 s is too short for the stock model: it repeats the sentence to its token limit
+    stock = backend._decode([audio], 3, 0)[0]
+    assert degenerate(stock.compression_ratio, len(stock.tokens), token_cap(duration))
+    backend.window_floor_s = 3
+    monkeypatch.setattr(whisper_engine, "WINDOW_MARGIN_S", 0.0)  # the window is then 3 s
+    assert window_s(duration, 3) == 3
+    text, _ = backend.decode([audio])[0]
+    assert backend.redecodes == 1, "the runaway is decoded again in the full window"
+    assert NORMALIZE(text) == NORMALIZE(TEXTS["rice"])
+
+
 def test_cli_model_command_converts_into_the_model_dir(tmp_path, artifacts):
     import subprocess
     import sys
@@ -177,16 +198,13 @@ def whisper_service(request, artifacts, model_dir):
     """A 2pass service on a Redis of its own: workers take any session announced in
     their Redis, so the PocketSphinx test service must not share it."""
     backend = request.param
-    server = EmbeddedRedis().start()
-    request.addfinalizer(server.stop)
-    svc = start_service(server.url, artifacts, f"whisper-{backend}", processes=2,
-                        extra_env={"COSYVOICE_ENGINE": "2pass",
-                                   "COSYVOICE_WHISPER_BACKEND": backend,
-                                   "COSYVOICE_MODEL_DIR": str(model_dir),
-                                   "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"})
-    svc.backend = backend
-    yield svc
-    stop_service(svc)
+    env = {**TEST_ENV, "COSYVOICE_ENGINE": "2pass", "COSYVOICE_WHISPER_BACKEND": backend,
+           "COSYVOICE_MODEL_DIR": str(model_dir), "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
+    with launcher.redis_server() as server:
+        svc = launcher.start_service(server.url, processes=2, env=env, logs=artifacts,
+                                     name=f"whisper-{backend}")
+        yield svc
+        svc.stop()
 
 
 def _run_all(url: str, mode: str) -> dict:
@@ -264,7 +282,7 @@ def test_two_workers_map_the_same_checkpoint_pages(whisper_service, model_dir):
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda n: transcribe_pcm(whisper_service.url, read_pcm(n), 16000,
                                                pace="fast", mode="2pass"), ["door", "call"]))
-    children = _children(whisper_service.worker.pid)
+    children = _children(whisper_service.pool.proc.pid)
     assert len(children) == 2
     for pid in children:
         m = _mapping(pid, ckpt)

@@ -9,38 +9,35 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
 
 from cosyvoice import bus as busmod
 from cosyvoice.audio import split_chunks
-from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.protocol import encode_chunk
 
-from .helpers import direct_decode, fixture_texts, read_pcm, spawn, terminate, wait_for, wer
+from . import launcher
+from .helpers import direct_decode, fixture_texts, read_pcm, wer
+from .launcher import terminate, wait_for
+
+if TYPE_CHECKING:
+    from cosyvoice.worker import Worker
 
 LEASE_MS = 1000
+# Short leases, so that a hand-over or take-over happens within a test.
+LEASE_ENV = {"COSYVOICE_LEASE_TTL_MS": str(LEASE_MS), "COSYVOICE_LEASE_RENEW_MS": "200",
+             "COSYVOICE_CLAIM_INTERVAL_MS": "200"}
 
 
-@pytest.fixture
-def rds():
-    server = EmbeddedRedis().start()
-    client = redis.Redis.from_url(server.url)
-    yield server, client
-    server.stop()
-
-
-def start_worker(server, artifacts, name, capacity=4, processes=1, extra_env=None):
-    env = {"COSYVOICE_REDIS_URL": server.url, "COSYVOICE_WORKER_CAPACITY": str(capacity),
-           "COSYVOICE_LEASE_TTL_MS": str(LEASE_MS), "COSYVOICE_LEASE_RENEW_MS": "200",
-           "COSYVOICE_CLAIM_INTERVAL_MS": "200", **(extra_env or {})}
-    proc = spawn(["worker", "--processes", str(processes)], env, artifacts / f"{name}.log")
-    client = redis.Redis.from_url(server.url)
-    before = len(busmod.Bus(client).live_workers())
-    wait_for(lambda: len(busmod.Bus(client).live_workers()) >= before + processes, timeout=30)
-    return proc
+def start_pool(redis_url: str, artifacts, name: str, capacity: int = 4) -> subprocess.Popen:
+    """One worker process with short leases, once it is live."""
+    return launcher.start_worker_pool(redis_url, capacity=capacity, env=LEASE_ENV,
+                                      logs=artifacts, name=name).proc
 
 
 def write_session(bus: busmod.Bus, sid: str, pcm: bytes, upto: int | None = None,
@@ -71,11 +68,12 @@ def final_text(client, sid) -> str:
     return " ".join(r["text"] for r in results(client, sid) if r["type"] == "final")
 
 
-def test_audio_written_before_any_worker_runs_is_all_decoded(rds, artifacts):
-    server, client = rds
+def test_audio_written_before_any_worker_runs_is_all_decoded(fresh_redis, fresh_redis_client,
+                                                             artifacts):
+    client = fresh_redis_client
     bus = busmod.Bus(client)
     write_session(bus, "early", read_pcm("weather"))
-    worker = start_worker(server, artifacts, "early")
+    worker = start_pool(fresh_redis.url, artifacts, "early")
     try:
         wait_for(lambda: ended(client, "early"), timeout=20)
         assert final_text(client, "early") == direct_decode(read_pcm("weather"))
@@ -86,10 +84,10 @@ def test_audio_written_before_any_worker_runs_is_all_decoded(rds, artifacts):
         terminate(worker)
 
 
-def test_capacity_limits_sessions_per_process(rds, artifacts):
-    server, client = rds
+def test_capacity_limits_sessions_per_process(fresh_redis, fresh_redis_client, artifacts):
+    client = fresh_redis_client
     bus = busmod.Bus(client)
-    worker = start_worker(server, artifacts, "capacity", capacity=1)
+    worker = start_pool(fresh_redis.url, artifacts, "capacity", capacity=1)
     try:
         write_session(bus, "a", read_pcm("coffee"), last=False)
         wait_for(lambda: client.exists(busmod.lease_key("a")))
@@ -110,20 +108,22 @@ def _two_utterance_audio() -> bytes:
     return read_pcm("weather") + b"\x00\x00" * 24000 + read_pcm("call")
 
 
-def _reference_finals(client, bus, artifacts, server):
+def _reference_finals(client: redis.Redis, bus: busmod.Bus) -> list[dict]:
     pcm = _two_utterance_audio()
     write_session(bus, "ref", pcm)
     wait_for(lambda: ended(client, "ref"), timeout=30)
     return [r for r in results(client, "ref") if r["type"] == "final"]
 
 
-def test_sigterm_hands_sessions_over_and_the_transcript_is_unchanged(rds, artifacts):
-    server, client = rds
+def test_sigterm_hands_sessions_over_and_the_transcript_is_unchanged(fresh_redis,
+                                                                     fresh_redis_client,
+                                                                     artifacts):
+    client = fresh_redis_client
     bus = busmod.Bus(client)
-    first = start_worker(server, artifacts, "handover-1")
+    first = start_pool(fresh_redis.url, artifacts, "handover-1")
     second = None
     try:
-        reference = _reference_finals(client, bus, artifacts, server)
+        reference = _reference_finals(client, bus)
         pcm = _two_utterance_audio()
         n = len(split_chunks(pcm, 16000))
         # the first utterance and part of the second are written, then the worker stops
@@ -132,7 +132,7 @@ def test_sigterm_hands_sessions_over_and_the_transcript_is_unchanged(rds, artifa
         time.sleep(0.5)
         assert terminate(first) == 0
         assert not client.exists(busmod.lease_key("ho")), "the lease was released"
-        second = start_worker(server, artifacts, "handover-2")
+        second = start_pool(fresh_redis.url, artifacts, "handover-2")
         write_session(bus, "ho", pcm, start=n - 5)
         wait_for(lambda: ended(client, "ho"), timeout=30)
         finals = [r for r in results(client, "ho") if r["type"] == "final"]
@@ -148,14 +148,16 @@ def _strip_seq(rs):
 
 
 @pytest.mark.parametrize("pools", [1, 2])
-def test_a_killed_worker_is_taken_over_without_duplicate_finals(rds, artifacts, pools):
+def test_a_killed_worker_is_taken_over_without_duplicate_finals(fresh_redis, fresh_redis_client,
+                                                                artifacts, pools):
     """kill -9 the process decoding a session mid-utterance: a restarted worker (one
     pool) or another worker (two pools) continues from the checkpoint."""
-    server, client = rds
+    client = fresh_redis_client
     bus = busmod.Bus(client)
-    workers = [start_worker(server, artifacts, f"takeover-{pools}-{i}") for i in range(pools)]
+    workers = [start_pool(fresh_redis.url, artifacts, f"takeover-{pools}-{i}")
+               for i in range(pools)]
     try:
-        reference = _reference_finals(client, bus, artifacts, server)
+        reference = _reference_finals(client, bus)
         pcm = _two_utterance_audio()
         n = len(split_chunks(pcm, 16000))
         write_session(bus, "kt", pcm, upto=n - 5)
@@ -181,6 +183,7 @@ class ExplodingModel:
 
     def __init__(self, real):
         self.real = real
+        self.explode = False
 
     def preload(self, n):
         pass
@@ -206,24 +209,34 @@ class ExplodingModel:
         return Stream()
 
 
+def rounds_until(worker: Worker, done: Callable[[], object], timeout: float) -> None:
+    """Runs the worker's decode loop in this thread, a round at a time, until ``done()``."""
+    def step() -> object:
+        worker._round()
+        return done()
+
+    wait_for(step, timeout=timeout)
+
+
 @pytest.mark.fast
-def test_an_engine_failure_ends_only_its_session_with_an_internal_error(rds):
+def test_an_engine_failure_ends_only_its_session_with_an_internal_error(fresh_redis,
+                                                                        fresh_redis_client):
     from cosyvoice.asr import load_model
     from cosyvoice.settings import Settings
     from cosyvoice.worker import Worker
 
-    server, client = rds
+    client = fresh_redis_client
     bus = busmod.Bus(client)
     model = ExplodingModel(load_model("pocketsphinx", Settings()))
-    worker = Worker(Settings(redis_url=server.url), model, client)
+    worker = Worker(Settings(redis_url=fresh_redis.url), model, client)
     worker.bus.ensure_group()
     model.explode = True
     write_session(bus, "bad", read_pcm("weather"))
-    wait_for(lambda: (worker._round(), "bad" not in worker.sessions and
-                      client.exists(busmod.text_key("bad")))[1], timeout=10)
+    rounds_until(worker, lambda: "bad" not in worker.sessions
+                 and client.exists(busmod.text_key("bad")), timeout=10)
     assert [r["code"] for r in results(client, "bad") if r["type"] == "error"] == ["internal"]
     assert not client.exists(busmod.lease_key("bad"))
     model.explode = False
     write_session(bus, "good", read_pcm("weather"))
-    wait_for(lambda: (worker._round(), ended(client, "good"))[1], timeout=20)
+    rounds_until(worker, lambda: ended(client, "good"), timeout=20)
     assert final_text(client, "good") == direct_decode(read_pcm("weather"))
