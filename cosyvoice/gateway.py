@@ -296,8 +296,10 @@ class Gateway:
             reply = self.writer.append(conn.session, chunk, bytes(pb))
         except gevent.Timeout as exc:
             raise Unavailable("timed out storing the chunk", seq=chunk.seq) from exc
-        if isinstance(reply, Exception):
+        if isinstance(reply, redis.RedisError):
             raise Unavailable("the session store is unreachable", seq=chunk.seq) from reply
+        if isinstance(reply, Exception):
+            raise Internal("internal error", seq=chunk.seq) from reply
         return ack_for(reply, chunk.seq)
 
     def on_stop(self, data=None):

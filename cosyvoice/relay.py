@@ -59,14 +59,26 @@ class ChunkWriter:
             gevent.sleep(0)
             while len(batch) < WRITE_BATCH and not self.queue.empty():
                 batch.append(self.queue.get_nowait())
-            try:
-                replies = self.bus.append_chunks([item[:5] for item in batch])
-            except redis.RedisError as exc:
-                log.warning("redis append failed: %s", exc)
-                metrics.REDIS_ERRORS.inc()
-                replies = [exc] * len(batch)
-            for item, reply in zip(batch, replies, strict=True):
+            for item, reply in zip(batch, self._append(batch), strict=True):
                 item[5].set(reply)
+
+    def _append(self, batch: list) -> list:
+        """The append replies of a batch, one per chunk; a failure is every chunk's reply
+        (the writer outlives any batch: were it to die, no chunk would be stored again)."""
+        try:
+            replies = list(self.bus.append_chunks([item[:5] for item in batch]))
+        except redis.RedisError as exc:
+            log.warning("redis append failed: %s", exc)
+            metrics.REDIS_ERRORS.inc()
+            return [exc] * len(batch)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.error("append failed", exc_info=exc)
+            return [exc] * len(batch)
+        if len(replies) != len(batch):
+            error = RuntimeError(f"{len(replies)} append replies for {len(batch)} chunks")
+            log.error("%s", error)
+            return [error] * len(batch)
+        return replies
 
 
 @dataclass

@@ -113,6 +113,24 @@ def test_an_unexpected_failure_in_the_chunk_handler_is_an_internal_error(
     assert module_redis_client.xlen(busmod.audio_key(sid)) == 2
 
 
+def test_a_store_that_raises_fails_its_chunks_and_the_writer_goes_on(
+        app, client, module_redis_client, monkeypatch):
+    """An exception that is not Redis's, raised by the batched append, is those chunks'
+    internal error; the process's chunk writer survives it and stores the next chunk."""
+    sid = session_of(client)["session"]
+    bus = app.extensions["cosyvoice"].bus
+
+    def broken(items):
+        raise RuntimeError("a bug in the store")
+
+    monkeypatch.setattr(bus, "append_chunks", broken)
+    assert send(client, encode_chunk(CHUNK, 0)) == {"error": "internal", "seq": 0}
+    assert [e["code"] for e in errors(client)] == ["internal"]
+    monkeypatch.undo()
+    assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
+    assert module_redis_client.xlen(busmod.audio_key(sid)) == 1
+
+
 def test_seq_gap_names_the_expected_seq(client, module_redis_client):
     sid = session_of(client)["session"]
     assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
