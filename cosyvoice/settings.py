@@ -75,6 +75,14 @@ class Settings:
     # every final in Whisper's full 30 s window. 10 s: the measured floor with a margin
     # (docs/benchmarks.md, "Encoder window").
     whisper_window_floor_s: int = 10
+    # torch backend on a CPU with bf16 instructions: the text decoder reads int8 weights
+    # (one scale per row; output projection included), kept in a mapped file beside the
+    # checkpoint (cosyvoice/asr/int8_decoder.py; docs/benchmarks.md, "int8 decoder").
+    whisper_int8_decoder: bool = True
+    # Niceness of each worker process's finals thread (cosyvoice/finals.py): Whisper
+    # finals are decoded beside the partials, at this lower CPU priority, so a busy
+    # machine gives the partials the CPU first. 0 decodes them at the loop's priority.
+    finals_nice: int = 5
     # "cpu" or "cuda"; empty picks CUDA when torch sees a GPU.
     whisper_device: str = ""
     # An official openai-whisper checkpoint to use instead of the bundled model data.
@@ -228,6 +236,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "whisper_backend": _one_of(*WHISPER_BACKENDS),
     "whisper_threads": _at_least(1),
     "whisper_device": _one_of("", "cpu", "cuda"),
+    "finals_nice": ((lambda v: 0 <= v <= 19), "a niceness from 0 to 19"),
     "whisper_window_floor_s": ((lambda v: v == 0 or 1 <= v <= 30), "0, or seconds from 1 to 30"),
     "session_grace_s": _at_least(0),
     "lease_ttl_ms": _at_least(100),

@@ -17,13 +17,14 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 import redis
 
 from . import bus as busmod
-from . import metrics, sweeper
+from . import finals, metrics, sweeper
 from .asr import Model, Stream
 from .backoff import Backoff
 from .protocol import parse_stored
@@ -47,6 +48,12 @@ PLACEMENT_DEFER_MS = 1000
 # sessions (5 → 0.25 ms), 20 ms for 400 (a null-engine worker in the transport benchmark).
 ROUND_PACE_PER_SESSION_S = 50e-6
 ROUND_PACE_MAX_S = 0.02
+# A draining worker waits this long for the finals in hand before it hands sessions over
+# (whatever is not done by then is decoded again by the next owner).
+HANDOVER_FINALS_S = 10.0
+# How long one XREAD waits while finals are being decoded: their results are published
+# between reads.
+FINALS_BLOCK_MS = 10
 
 
 def entry_results(session: str, entry_id: str, seq: int, last: bool, results: list[dict],
@@ -68,6 +75,13 @@ def entry_results(session: str, entry_id: str, seq: int, last: bool, results: li
     return results, None
 
 
+def split_ordered(results: list[dict]) -> tuple[list[dict], list[dict]]:
+    """An entry's results as (published at once, published in order): partials go out as
+    soon as they are decoded; finals and ``end`` keep their order and carry the checkpoint."""
+    now = [r for r in results if r["type"] not in ("final", "end")]
+    return now, [r for r in results if r["type"] in ("final", "end")]
+
+
 @dataclass
 class OwnedSession:
     sid: str
@@ -76,6 +90,10 @@ class OwnedSession:
     position: str  # id of the last audio entry consumed
     next_seq: int
     rate: int
+    context: finals.Context = field(default_factory=finals.Context)
+    # finals (and the end) waiting for the finals thread, in order
+    pending: deque[finals.Pending] = field(default_factory=deque)
+    ended: bool = False  # ``last`` consumed: nothing more to read, the end is pending
 
 
 class Worker:
@@ -94,6 +112,9 @@ class Worker:
         self._next_sweep = time.monotonic() + sweeper.SWEEP_INTERVAL_S * 0.5
         self._last_round = 0.0
         self._newest_announcement = "0-0"
+        transcribe = getattr(model, "transcribe", None)
+        self.finals = (finals.FinalsStage(transcribe, settings.finals_nice)
+                       if transcribe is not None else None)
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -134,11 +155,16 @@ class Worker:
         free = self.settings.worker_capacity - len(self.sessions)
         if free > 0 and self.accepting:
             self._claim(now, free)
+        waiting = self._publish_finals()
         if self.sessions:
-            positions = {sid: s.position for sid, s in self.sessions.items()}
-            batch = self.bus.read_audio(positions, READ_COUNT, READ_BLOCK_MS)
-            for sid, entries in batch.items():
-                self._decode_guarded(sid, entries)
+            positions = {sid: s.position for sid, s in self.sessions.items() if not s.ended}
+            if positions:
+                block = FINALS_BLOCK_MS if waiting else READ_BLOCK_MS
+                batch = self.bus.read_audio(positions, READ_COUNT, block)
+                for sid, entries in batch.items():
+                    self._decode_guarded(sid, entries)
+            elif waiting:
+                time.sleep(FINALS_BLOCK_MS / 1000)
         elif self.accepting:
             self.bus.wait_announcement(self._newest_announcement, IDLE_BLOCK_MS)
 
@@ -155,10 +181,20 @@ class Worker:
             self._adopt(ann)
 
     def _hand_over(self) -> None:
-        """Release every session so another worker continues it from its checkpoint."""
+        """Publish the finals in hand, then release every session so another worker
+        continues it from its checkpoint."""
+        if self.finals is not None:
+            deadline = time.monotonic() + HANDOVER_FINALS_S
+            try:  # the leases stay fresh meanwhile: nobody else decodes these sessions
+                while self._publish_finals() and time.monotonic() < deadline:
+                    self._renew_if_due()
+                    self.finals.wait_idle(0.1)
+            except redis.RedisError as exc:
+                log.warning("could not publish the finals in hand: %s", exc)
+            self.finals.stop()
         for sid in list(self.sessions):
             s = self.sessions.pop(sid)
-            s.stream.close()
+            self._drop(s)
             try:
                 self.bus.release_lease(sid, self.id)
                 self.bus.reannounce(sid, s.announcement)
@@ -184,7 +220,7 @@ class Worker:
             if status == 1:
                 continue
             s = self.sessions.pop(sid)
-            s.stream.close()
+            self._drop(s)
             if status == -1:
                 log.info("session %s ended (keys gone)", sid, extra={"session": sid})
                 self.bus.ack_announcement(s.announcement)
@@ -211,8 +247,9 @@ class Worker:
             rate = int(info["start_rate"])
             stream = self.model.stream(rate, mode=info.get("mode") or None)
             position, next_seq = "0-0", 0
-        self.sessions[ann.sid] = OwnedSession(ann.sid, ann.msg_id, stream, position,
-                                              next_seq, rate)
+        self.sessions[ann.sid] = OwnedSession(
+            ann.sid, ann.msg_id, stream, position, next_seq, rate,
+            finals.Context(prompt=(checkpoint or {}).get("prompt", "")))
         log.info("took session %s at seq %d", ann.sid, next_seq,
                  extra={"session": ann.sid, "event": "claim"})
 
@@ -228,10 +265,13 @@ class Worker:
             log.exception("decoding session %s failed", sid, extra={"session": sid})
             s = self.sessions.get(sid)
             if s is not None:
-                self.bus.publish_results(sid, [{"type": "error", "code": "internal",
-                                                "msg": "decoding failed"}],
-                                         self.settings.result_ttl_s, {"done": True}, done=True)
-                self._finish(s)
+                self._fail(s, "decoding failed")
+
+    def _fail(self, s: OwnedSession, msg: str) -> None:
+        """End the session with an ``internal`` error to its client."""
+        self.bus.publish_results(s.sid, [{"type": "error", "code": "internal", "msg": msg}],
+                                 self.settings.result_ttl_s, {"done": True}, done=True)
+        self._finish(s)
 
     def _decode(self, sid: str, entries: list[tuple[str, bytes]]) -> None:
         s = self.sessions.get(sid)
@@ -244,28 +284,74 @@ class Worker:
                 log.warning("session %s: skipping seq %d, expected %d", sid, msg.seq, s.next_seq)
                 s.position = entry_id
                 continue
-            if msg.sample_rate:
+            if msg.sample_rate and msg.sample_rate != s.rate:
                 s.rate = msg.sample_rate
+                s.context = finals.Context()  # new audio: Whisper's context starts over
             results = s.stream.feed(msg.pcm, s.rate)
             if msg.last:
                 results += s.stream.flush()
             results, checkpoint = entry_results(sid, entry_id, msg.seq, msg.last, results,
                                                 lambda: s.stream.checkpoint)
-            alive = self.bus.publish_results(sid, results, self.settings.result_ttl_s,
-                                             checkpoint, done=msg.last)
             s.position, s.next_seq = entry_id, msg.seq + 1
-            metrics.observe_decode_lag(entry_id, results)
-            if not alive or msg.last:
+            if not self._publish_entry(s, entry_id, results, checkpoint, msg.last):
                 self._finish(s)
                 return
-            # A Whisper final can take seconds: keep the leases fresh between entries.
-            self._renew_if_due()
-            if sid not in self.sessions:
+            if msg.last:
+                s.ended = True
+                if not s.pending:
+                    self._finish(s)
                 return
+
+    def _publish_entry(self, s: OwnedSession, entry_id: str, results: list[dict],
+                       checkpoint: dict | None, last: bool) -> bool:
+        """Publish an entry's results, or queue its finals for the finals thread (the
+        partials go out at once). False when the session no longer exists."""
+        jobs = [finals.Job(s.context, r, r.pop("audio")) for r in results if "audio" in r]
+        if not jobs and not s.pending:
+            metrics.observe_decode_lag(entry_id, results)
+            return self.bus.publish_results(s.sid, results, self.settings.result_ttl_s,
+                                            checkpoint, done=last)
+        stage = self.finals
+        if jobs and stage is None:
+            raise RuntimeError("a deferred final needs a model with transcribe()")
+        now, ordered = split_ordered(results)
+        if ordered or checkpoint is not None:
+            s.pending.append(finals.Pending(entry_id, ordered, checkpoint, last, jobs))
+        if stage is not None:
+            for job in jobs:
+                stage.submit(job)
+        metrics.observe_decode_lag(entry_id, now)
+        return self.bus.publish_results(s.sid, now, self.settings.result_ttl_s)
+
+    def _publish_finals(self) -> bool:
+        """Publish every session's finals that are decoded, in order, each with its
+        checkpoint; True while some are still being decoded."""
+        waiting = False
+        for s in list(self.sessions.values()):
+            while s.pending and s.pending[0].ready():
+                item = s.pending.popleft()
+                if item.failed():
+                    self._fail(s, "decoding a final failed")
+                    break
+                metrics.observe_decode_lag(item.entry_id, item.results)
+                alive = self.bus.publish_results(s.sid, item.results,
+                                                 self.settings.result_ttl_s,
+                                                 item.final_checkpoint(), done=item.done)
+                if not alive or item.done:
+                    self._finish(s)
+                    break
+            waiting = waiting or bool(s.pending)
+        return waiting
+
+    def _drop(self, s: OwnedSession) -> None:
+        """This process no longer decodes the session: its finals in hand are skipped."""
+        s.context.cancelled = True
+        s.pending.clear()
+        s.stream.close()
 
     def _finish(self, s: OwnedSession) -> None:
         self.sessions.pop(s.sid, None)
-        s.stream.close()
+        self._drop(s)
         self.bus.release_lease(s.sid, self.id)
         self.bus.ack_announcement(s.announcement)
         log.info("session %s finished", s.sid, extra={"session": s.sid, "event": "finish"})

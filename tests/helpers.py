@@ -5,13 +5,23 @@ Starting and stopping processes is tests/launcher.py's.
 
 from __future__ import annotations
 
+import json
 import re
 import wave
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jiwer
 import pocketsphinx
 
-from .launcher import ROOT
+from cosyvoice import bus as busmod
+from cosyvoice.audio import split_chunks
+from cosyvoice.protocol import encode_chunk
+
+from .launcher import ROOT, wait_for
+
+if TYPE_CHECKING:
+    from cosyvoice.worker import Worker
 
 FIXTURES = ROOT / "tests" / "fixtures"
 # Disconnected sessions expire after this in the test services (30 s in production).
@@ -51,3 +61,35 @@ def direct_decode(pcm: bytes) -> str:
     decoder.end_utt()
     hyp = decoder.hyp()
     return hyp.hypstr if hyp else ""
+
+
+# ---- a session written straight into Redis, a worker driven a round at a time ---------
+
+
+def write_session(bus: busmod.Bus, sid: str, pcm: bytes, upto: int | None = None,
+                  start: int = 0, last: bool = True) -> int:
+    if start == 0:
+        # Announced as a hand-over is, whatever the capacity: these tests control what
+        # the workers see, admission has its own tests.
+        bus.create_session(sid, 16000)
+        bus.announce(sid)
+    chunks = split_chunks(pcm, 16000)
+    end = len(chunks) if upto is None else upto
+    items = [(sid, seq, encode_chunk(chunks[seq], seq, last=last and seq == len(chunks) - 1),
+              16000, last and seq == len(chunks) - 1) for seq in range(start, end)]
+    replies = bus.append_chunks(items)
+    assert all(r.status == busmod.AppendStatus.APPENDED for r in replies)
+    return len(chunks)
+
+
+def results(client, sid) -> list[dict]:
+    return [json.loads(f[b"r"]) for _id, f in client.xrange(busmod.text_key(sid))]
+
+
+def rounds_until(worker: Worker, done: Callable[[], object], timeout: float) -> None:
+    """Runs the worker's decode loop in this thread, a round at a time, until ``done()``."""
+    def step() -> object:
+        worker._round()
+        return done()
+
+    wait_for(step, timeout=timeout)

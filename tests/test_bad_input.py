@@ -252,7 +252,7 @@ auth_values = st.one_of(
 @FUZZ
 @given(auth=auth_values)
 def test_fuzz_connect_handler_only_answers_documented_errors(app, auth):
-    client = connect(app, auth=auth)
+    client = open_test_client(app, auth=auth, until_session=True)
     if client.is_connected(NAMESPACE):
         events = client.get_received(NAMESPACE)
         names = [e["name"] for e in events]

@@ -44,13 +44,14 @@ def test_settings_rules_cover_every_checkable_setting_and_accept_the_defaults():
     names = {f.name for f in dataclasses.fields(Settings)}
     assert set(_RULES) <= names
     # free text (addresses, paths, secrets, origins) and booleans need no rule
-    assert names - set(_RULES) == {"host", "whisper_cpu_bf16", "whisper_checkpoint",
-                                   "model_dir", "allowed_origins", "auth_secret"}
+    assert names - set(_RULES) == {"host", "whisper_cpu_bf16", "whisper_int8_decoder",
+                                   "whisper_checkpoint", "model_dir", "allowed_origins",
+                                   "auth_secret"}
     assert Settings().validate() == Settings()
     for env in ({"COSYVOICE_WORKER_CAPACITY": "0"}, {"COSYVOICE_ENDPOINT_RATIO": "1.5"},
                 {"COSYVOICE_DEFAULT_SAMPLE_RATE": "22050"},
                 {"COSYVOICE_REDIS_URL": "redis://:6379"},
-                {"COSYVOICE_WHISPER_BACKEND": "onnx"}):
+                {"COSYVOICE_WHISPER_BACKEND": "onnx"}, {"COSYVOICE_FINALS_NICE": "20"}):
         with pytest.raises(SettingsError, match=next(iter(env))):
             Settings.from_env(env)
     for url in ("redis://localhost:6379/0", "rediss://h:1", "unix:///run/redis.sock"):

@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import jiwer
 import numpy as np
 import pytest
+import redis
 import socketio
 
+from cosyvoice import bus as busmod
 from cosyvoice.asr import WHISPER_BACKENDS, model_data
 from cosyvoice.asr.whisper_engine import CT2Whisper, TorchWhisper, _float_audio
 from cosyvoice.client import transcribe_pcm
 
 from . import launcher
-from .helpers import FIXTURES, TEST_ENV, fixture_texts, read_pcm
+from .helpers import (
+    FIXTURES,
+    TEST_ENV,
+    fixture_texts,
+    read_pcm,
+    results,
+    rounds_until,
+    write_session,
+)
 
 SENTENCES = fixture_texts()
 HARVARD = dict(line.split("\t", 1) for line in
@@ -199,7 +213,10 @@ def whisper_service(request, artifacts, model_dir):
     their Redis, so the PocketSphinx test service must not share it."""
     backend = request.param
     env = {**TEST_ENV, "COSYVOICE_ENGINE": "2pass", "COSYVOICE_WHISPER_BACKEND": backend,
-           "COSYVOICE_MODEL_DIR": str(model_dir), "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
+           "COSYVOICE_MODEL_DIR": str(model_dir), "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0",
+           # short leases: a killed worker's session is taken over within the test
+           "COSYVOICE_LEASE_TTL_MS": "1500", "COSYVOICE_LEASE_RENEW_MS": "300",
+           "COSYVOICE_CLAIM_INTERVAL_MS": "300"}
     with launcher.redis_server() as server:
         svc = launcher.start_service(server.url, processes=2, env=env, logs=artifacts,
                                      name=f"whisper-{backend}")
@@ -275,20 +292,83 @@ def test_an_unknown_mode_is_refused_with_unsupported_mode(whisper_service):
 
 @pytest.mark.parametrize("whisper_service", ["torch"], indirect=True)
 def test_two_workers_map_the_same_checkpoint_pages(whisper_service, model_dir):
-    """Both worker processes touch every weight (one session each), and the checkpoint's
-    mapping is shared between them: Shared_Clean, not Private. (faster-whisper loads a
-    private copy per process; the benchmark measures both.)"""
+    """Both worker processes touch every weight they read (one session each), and the
+    checkpoint's and the int8 decoder file's mappings are shared between them:
+    Shared_Clean, not Private. (faster-whisper loads a private copy per process; the
+    benchmark measures both.)"""
+    from cosyvoice.asr import int8_decoder
     ckpt = str(model_data.checkpoint_path(model_dir))
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda n: transcribe_pcm(whisper_service.url, read_pcm(n), 16000,
                                                pace="fast", mode="2pass"), ["door", "call"]))
     children = _children(whisper_service.pool.proc.pid)
     assert len(children) == 2
-    for pid in children:
-        m = _mapping(pid, ckpt)
-        assert m["Rss"] > 200 * 1024, (pid, m)  # kB: most of the 290 MB file is resident
-        assert m["Shared_Clean"] >= 0.9 * m["Rss"], (pid, m)
-        assert m["Private_Dirty"] == 0, (pid, m)
+    # kB resident, at least: the encoder's fp32 weights (80 MB) in the checkpoint; the
+    # decoder reads its int8 copy (49 MB), not its fp32 weights
+    for path, resident in ((ckpt, 70 * 1024), (ckpt + int8_decoder.SUFFIX, 40 * 1024)):
+        for pid in children:
+            m = _mapping(pid, path)
+            assert m["Rss"] > resident, (pid, path, m)
+            assert m["Shared_Clean"] >= 0.9 * m["Rss"], (pid, path, m)
+            assert m["Private_Dirty"] == 0, (pid, path, m)
+
+
+@pytest.mark.fast
+def test_the_int8_decoder_gives_the_finals_of_the_fp32_one(model_dir, torch_backend):
+    from cosyvoice.asr import int8_decoder
+    ckpt = model_data.checkpoint_path(model_dir)
+    int8 = TorchWhisper(str(ckpt), int8_decoder=True)
+    assert int8.int8_decoder and not torch_backend.int8_decoder
+    assert type(int8.model.decoder.blocks[0].mlp[0]) is int8_decoder.Int8Linear
+    assert type(int8.model.decoder.blocks[0].cross_attn.key) is not int8_decoder.Int8Linear
+    names = ["door", "rice", "two_utterances", "coffee", "glue"]
+    audios = [_float_audio(read_pcm(n)) for n in names]
+    fp32 = [torch_backend.decode([a])[0][0] for a in audios]
+    q8 = [int8.decode([a])[0][0] for a in audios]
+    refs = [TEXTS.get(n) or (FIXTURES / f"{n}.txt").read_text().split("\t", 1)[1]
+            for n in names]
+    assert corpus_wer(refs, q8) <= corpus_wer(refs, fp32) + 0.005, (q8, fp32)
+    # built once beside the checkpoint, then mapped from there
+    built = (ckpt.parent / (ckpt.name + int8_decoder.SUFFIX)).stat().st_mtime_ns
+    TorchWhisper(str(ckpt), int8_decoder=True)
+    assert (ckpt.parent / (ckpt.name + int8_decoder.SUFFIX)).stat().st_mtime_ns == built
+
+
+@pytest.mark.parametrize("whisper_service", ["torch"], indirect=True)
+def test_a_2pass_worker_killed_with_finals_in_hand_is_invisible_to_the_client(whisper_service):
+    pcm = read_pcm("two_utterances")
+    reference = transcribe_pcm(whisper_service.url, pcm, 16000, pace="fast", mode="2pass")
+    rds: Any = redis.Redis.from_url(whisper_service.redis_url)  # RESP2 bytes replies
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_while_a_final_is_in_hand():
+        """Utterance 1's partials are out and its final is not: the owner holds it."""
+        while not stop.is_set() and not killed:
+            for _id, f in rds.xrange(busmod.SESSIONS):
+                sid = f[b"sid"].decode()
+                kinds = _kinds(results(rds, sid))
+                owner = rds.get(busmod.lease_key(sid))
+                if ("partial", 1) in kinds and ("final", 1) not in kinds and owner:
+                    pid = int(owner.decode().split("-")[-2])
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            stop.wait(0.005)
+
+    killer = threading.Thread(target=kill_while_a_final_is_in_hand)
+    killer.start()
+    try:
+        result = transcribe_pcm(whisper_service.url, pcm, 16000, pace="fast", mode="2pass")
+    finally:
+        stop.set()
+        killer.join()
+        rds.close()
+    assert killed, "the owner was killed with a final in hand"
+    assert not result.errors
+    assert [f["utterance"] for f in result.finals] == [0, 1]
+    assert [f["text"] for f in result.finals] == [f["text"] for f in reference.finals]
+    # the pool replaced the killed process
+    launcher.wait_workers(whisper_service.redis_url, 2, timeout=60)
 
 
 def _children(pid: int) -> list[int]:
@@ -312,3 +392,117 @@ def _mapping(pid: int, path: str) -> dict[str, int]:
             totals[key] = totals.get(key, 0) + int(fields[1])
     assert totals, f"{path} is not mapped by {pid}"
     return totals
+
+
+# ---- finals off the partials' path (one worker process, driven a round at a time) ----------
+
+
+class HeldFinals:
+    """Test hook around the real Whisper decoder (named as such): holds every final until
+    the test lets it go, so the test sees what the worker's loop does meanwhile, and
+    records the prompt each final was decoded with."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.calls: list[str] = []  # the prompt of each final decoded
+
+    def decode(self, transcribe, pcm: bytes, prompt: str) -> str:
+        self.gate.wait(60)
+        self.calls.append(prompt)
+        return transcribe(pcm, prompt)
+
+
+def _two_pass_worker(torch_backend, redis_url, client, **settings):
+    """A worker on the real 2-pass model (PocketSphinx partials, Whisper finals), whose
+    finals wait for ``held.gate``."""
+    from cosyvoice.asr.whisper_engine import TwoPassModel
+    from cosyvoice.settings import Settings
+    from cosyvoice.worker import Worker
+
+    held = HeldFinals()
+
+    class HeldTwoPass(TwoPassModel):
+        def transcribe(self, pcm: bytes, prompt: str = "") -> str:
+            return held.decode(super().transcribe, pcm, prompt)
+
+    config = Settings(redis_url=redis_url, engine="2pass", finals_nice=0, **settings)
+    worker = Worker(config, HeldTwoPass(config, backend=torch_backend), client)
+    worker.bus.ensure_group()
+    return worker, held
+
+
+def _kinds(rs: list[dict]) -> list[tuple[str, int]]:
+    return [(r["type"], r.get("utterance", -1)) for r in rs]
+
+
+@pytest.mark.fast
+def test_a_final_being_decoded_holds_up_no_partial_and_finals_keep_their_order(
+        torch_backend, fresh_redis, fresh_redis_client):
+    client = fresh_redis_client
+    worker, held = _two_pass_worker(torch_backend, fresh_redis.url, client)
+    bus = worker.bus
+    write_session(bus, "a", read_pcm("two_utterances"))
+    # utterance 0 has ended (its final is in hand) and utterance 1's partials go out
+    rounds_until(worker, lambda: ("partial", 1) in _kinds(results(client, "a")), timeout=30)
+    assert "final" not in [r["type"] for r in results(client, "a")]
+    assert "checkpoint" not in bus.session_info("a"), "no checkpoint past a final in hand"
+    # another session's partials go out while the final is still held
+    write_session(bus, "b", read_pcm("weather"))
+    rounds_until(worker, lambda: ("partial", 0) in _kinds(results(client, "b")), timeout=30)
+    assert "final" not in [r["type"] for r in results(client, "a") + results(client, "b")]
+
+    held.gate.set()
+    rounds_until(worker, lambda: not worker.sessions, timeout=60)
+    a = results(client, "a")
+    finals = [r for r in a if r["type"] == "final"]
+    assert [f["utterance"] for f in finals] == [0, 1]
+    assert all(f["engine"] == "whisper" and "audio" not in f for f in finals)
+    assert _kinds(a)[-1] == ("end", -1)
+    assert _kinds(a).index(("partial", 1)) < _kinds(a).index(("final", 0))
+    reference = (FIXTURES / "two_utterances.txt").read_text().split("\t", 1)[1]
+    assert corpus_wer([reference], [" ".join(f["text"] for f in finals)]) == 0.0, finals
+    # each final after the first was decoded after the text before it; "b" has its own
+    assert held.calls.count("") == 2 and finals[0]["text"] in held.calls
+    b = [r for r in results(client, "b") if r["type"] == "final"]
+    assert corpus_wer([TEXTS["weather"]], [b[0]["text"]]) == 0.0
+
+
+@pytest.mark.fast
+def test_a_worker_lost_with_a_final_in_hand_loses_nothing_and_sends_nothing_twice(
+        torch_backend, fresh_redis, fresh_redis_client):
+    client = fresh_redis_client
+    lease = {"lease_ttl_ms": 600, "lease_renew_ms": 100, "claim_interval_ms": 100}
+    lost, lost_held = _two_pass_worker(torch_backend, fresh_redis.url, client, **lease)
+    write_session(lost.bus, "a", read_pcm("two_utterances"))
+    rounds_until(lost, lambda: ("partial", 1) in _kinds(results(client, "a")), timeout=30)
+    # the worker stops here, its final never decoded: as a killed process, it renews
+    # nothing and publishes nothing more
+    heir, held = _two_pass_worker(torch_backend, fresh_redis.url, client, **lease)
+    held.gate.set()
+    rounds_until(heir, lambda: client.exists(busmod.session_key("a"))
+                 and "end" in [r["type"] for r in results(client, "a")], timeout=60)
+    finals = [r for r in results(client, "a") if r["type"] == "final"]
+    assert [f["utterance"] for f in finals] == [0, 1], "each final once, in order"
+    reference = (FIXTURES / "two_utterances.txt").read_text().split("\t", 1)[1]
+    assert corpus_wer([reference], [" ".join(f["text"] for f in finals)]) == 0.0, finals
+    assert held.calls == ["", finals[0]["text"]]
+    lost_held.gate.set()  # the lost worker's thread ends; its loop never publishes again
+    assert lost.finals is not None and lost.finals.wait_idle(30)
+    assert [f["utterance"] for f in results(client, "a") if f["type"] == "final"] == [0, 1]
+
+
+@pytest.mark.fast
+def test_a_draining_worker_publishes_its_finals_in_hand_before_it_hands_over(
+        torch_backend, fresh_redis, fresh_redis_client):
+    client = fresh_redis_client
+    worker, held = _two_pass_worker(torch_backend, fresh_redis.url, client)
+    write_session(worker.bus, "a", read_pcm("two_utterances"), upto=20, last=False)
+    rounds_until(worker, lambda: ("partial", 1) in _kinds(results(client, "a")), timeout=30)
+    worker.request_stop()
+    held.gate.set()
+    worker.run()  # stops at once: publishes what is in hand, then hands the session over
+    finals = [r for r in results(client, "a") if r["type"] == "final"]
+    assert [f["utterance"] for f in finals] == [0]
+    checkpoint = json.loads(worker.bus.session_info("a")["checkpoint"])
+    assert checkpoint["prompt"] == finals[0]["text"]  # the next owner goes on with context
+    assert not client.exists(busmod.lease_key("a"))

@@ -6,27 +6,28 @@ so the timing of what the worker sees is under the test's control.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import pytest
 import redis
 
 from cosyvoice import bus as busmod
 from cosyvoice.audio import split_chunks
-from cosyvoice.protocol import encode_chunk
 
 from . import launcher
-from .helpers import direct_decode, fixture_texts, read_pcm, wer
+from .helpers import (
+    direct_decode,
+    fixture_texts,
+    read_pcm,
+    results,
+    rounds_until,
+    wer,
+    write_session,
+)
 from .launcher import terminate, wait_for
-
-if TYPE_CHECKING:
-    from cosyvoice.worker import Worker
 
 LEASE_MS = 1000
 # Short leases, so that a hand-over or take-over happens within a test.
@@ -38,26 +39,6 @@ def start_pool(redis_url: str, artifacts, name: str, capacity: int = 4) -> subpr
     """One worker process with short leases, once it is live."""
     return launcher.start_worker_pool(redis_url, capacity=capacity, env=LEASE_ENV,
                                       logs=artifacts, name=name).proc
-
-
-def write_session(bus: busmod.Bus, sid: str, pcm: bytes, upto: int | None = None,
-                  start: int = 0, last: bool = True) -> int:
-    if start == 0:
-        # Announced as a hand-over is, whatever the capacity: these tests control what
-        # the workers see, admission has its own tests.
-        bus.create_session(sid, 16000)
-        bus.announce(sid)
-    chunks = split_chunks(pcm, 16000)
-    end = len(chunks) if upto is None else upto
-    items = [(sid, seq, encode_chunk(chunks[seq], seq, last=last and seq == len(chunks) - 1),
-              16000, last and seq == len(chunks) - 1) for seq in range(start, end)]
-    replies = bus.append_chunks(items)
-    assert all(r.status == busmod.AppendStatus.APPENDED for r in replies)
-    return len(chunks)
-
-
-def results(client, sid) -> list[dict]:
-    return [json.loads(f[b"r"]) for _id, f in client.xrange(busmod.text_key(sid))]
 
 
 def ended(client, sid) -> bool:
@@ -207,15 +188,6 @@ class ExplodingModel:
                 real.close()
 
         return Stream()
-
-
-def rounds_until(worker: Worker, done: Callable[[], object], timeout: float) -> None:
-    """Runs the worker's decode loop in this thread, a round at a time, until ``done()``."""
-    def step() -> object:
-        worker._round()
-        return done()
-
-    wait_for(step, timeout=timeout)
 
 
 @pytest.mark.fast

@@ -86,7 +86,7 @@ class TorchWhisper:
     name = "torch"
 
     def __init__(self, checkpoint: str, device: str | None = None, threads: int = 1,
-                 cpu_bf16: bool = False, window_floor_s: int = 0):
+                 cpu_bf16: bool = False, window_floor_s: int = 0, int8_decoder: bool = False):
         import torch
         import whisper
         from whisper.model import ModelDimensions, Whisper
@@ -111,6 +111,12 @@ class TorchWhisper:
         # assign=True keeps the mapped tensors themselves as the parameters (the freshly
         # initialised ones are freed): no private copy of the weights.
         model.load_state_dict(state, assign=True, strict=True)
+        # int8 decoder weights (cosyvoice/asr/int8_decoder.py): a file of their own beside
+        # the checkpoint, mapped too (CPU only).
+        self.int8_decoder = int8_decoder and self.device == "cpu"
+        if self.int8_decoder:
+            from . import int8_decoder as int8
+            int8.install(model, int8.load_or_build(model, checkpoint))
         if self.device != "cpu":
             model = model.to(self.device)
         self.model = model.eval()
@@ -154,10 +160,11 @@ class TorchWhisper:
         mel = w.pad_or_trim(mel[:, :frames], frames)
         return mel.to(self.device, self._torch.float16 if self.fp16 else self._torch.float32)
 
-    def decode(self, audios: list[np.ndarray]) -> list[tuple[str, list[int]]]:
-        """Greedy decoding of ≤30 s clips: (text, tokens) each. Clips of one window size
-        are decoded as one batch; a degenerate result in a short window is decoded again
-        with the full one."""
+    def decode(self, audios: list[np.ndarray], prompt: str = "") -> list[tuple[str, list[int]]]:
+        """Greedy decoding of ≤30 s clips: (text, tokens) each, after the text ``prompt``
+        (Whisper's previous-text context; empty for none). Clips of one window size are
+        decoded as one batch; a degenerate result in a short window is decoded again with
+        the full one."""
         durations = [len(a) / MODEL_RATE for a in audios]
         windows = [window_s(d, self.window_floor_s) for d in durations]
         out: list[tuple[str, list[int]]] = [("", [])] * len(audios)
@@ -165,19 +172,20 @@ class TorchWhisper:
             batch = [i for i, w in enumerate(windows) if w == window]
             short = window < FULL_WINDOW_S
             cap = token_cap(max(durations[i] for i in batch)) if short else 0
-            results = self._decode([audios[i] for i in batch], window, cap)
+            results = self._decode([audios[i] for i in batch], window, cap, prompt)
             for i, r in zip(batch, results, strict=True):
                 if short and degenerate(r.compression_ratio, len(r.tokens), cap):
                     self.redecodes += 1
-                    r = self._decode([audios[i]], FULL_WINDOW_S, 0)[0]
+                    r = self._decode([audios[i]], FULL_WINDOW_S, 0, prompt)[0]
                 out[i] = _text_of(r)
         return out
 
-    def _decode(self, audios: list[np.ndarray], window: int, cap: int) -> list:
+    def _decode(self, audios: list[np.ndarray], window: int, cap: int, prompt: str = "") -> list:
         """openai-whisper's greedy decode in a ``window``-second encoder window, at most
-        ``cap`` tokens (0: its default, half the text context)."""
+        ``cap`` tokens (0: its default, half the text context), after ``prompt``."""
         torch = self._torch
-        options = dataclasses.replace(self._options, sample_len=cap) if cap else self._options
+        options = dataclasses.replace(self._options, sample_len=cap or None,
+                                      prompt=prompt or None)
         with torch.inference_mode():
             mels = torch.stack([self.mel(a, window) for a in audios])
             return self._whisper.decode(self.model, mels, options)
@@ -234,7 +242,7 @@ class CT2Whisper:
                                        cpu_threads=self.threads, num_workers=1)
         return self._model
 
-    def decode(self, audios: list[np.ndarray]) -> list[tuple[str, list[int]]]:
+    def decode(self, audios: list[np.ndarray], prompt: str = "") -> list[tuple[str, list[int]]]:
         model = self._load()
         out = []
         for audio in audios:
@@ -242,6 +250,7 @@ class CT2Whisper:
                 audio, language="en", task="transcribe", beam_size=1, temperature=0.0,
                 without_timestamps=True, condition_on_previous_text=False,
                 vad_filter=False, no_speech_threshold=NO_SPEECH_PROB,
+                initial_prompt=prompt or None,
                 log_prob_threshold=NO_SPEECH_LOGPROB)
             texts, tokens = [], []
             for seg in segments:
@@ -265,7 +274,8 @@ def load_backend(settings):
     path = model_data.convert(mdir, source=settings.whisper_checkpoint or None, device=device)
     return TorchWhisper(str(path), device=device, threads=settings.whisper_threads,
                         cpu_bf16=settings.whisper_cpu_bf16,
-                        window_floor_s=settings.whisper_window_floor_s)
+                        window_floor_s=settings.whisper_window_floor_s,
+                        int8_decoder=settings.whisper_int8_decoder)
 
 
 class TwoPassModel:
@@ -296,8 +306,9 @@ class TwoPassModel:
         ps_stream.keep_audio = mode != "pocketsphinx"
         return TwoPassStream(self, ps_stream, mode)
 
-    def transcribe(self, pcm: bytes) -> str:
-        return self.backend.decode([_float_audio(pcm)])[0][0]
+    def transcribe(self, pcm: bytes, prompt: str = "") -> str:
+        """The Whisper final of one utterance (16 kHz PCM), after the text ``prompt``."""
+        return self.backend.decode([_float_audio(pcm)], prompt)[0][0]
 
 
 class TwoPassStream:
@@ -323,9 +334,10 @@ class TwoPassStream:
                     out.append(r)
                 continue
             if r["type"] == "final":
-                audio = self._ps.take_utterance_audio(r["utterance"])
-                r = {**r, "text": self._model.transcribe(audio) if audio else "",
-                     "words": [], "engine": "whisper"}
+                # decoded by the worker's finals thread (cosyvoice/finals.py), which
+                # fills in the text with model.transcribe(audio, prompt)
+                r = {**r, "text": "", "words": [], "engine": "whisper",
+                     "audio": self._ps.take_utterance_audio(r["utterance"])}
             out.append(r)
         return out
 

@@ -218,7 +218,7 @@ class App {
 
   onText(result, latencyMs) {
     if (result.type === "partial") {
-      this.view.showPartial(result.text);
+      this.view.showPartial(result.text, result.utterance);
       return;
     }
     this.view.addFinal(result);

@@ -15,13 +15,19 @@ export class TranscriptView {
     this.placeholder = placeholder;
   }
 
-  showPartial(text) {
+  /** The hypothesis of utterance `utterance` so far. */
+  showPartial(text, utterance) {
     this.partial.textContent = text ? ` ${text}` : "";
+    this.partialUtterance = utterance;
     this.update();
   }
 
+  /** A final replaces its own utterance's partial. Whisper finals come after the next
+   * utterance's partials have begun: those stay. */
   addFinal(result) {
-    this.partial.textContent = "";
+    if (this.partialUtterance === undefined || this.partialUtterance <= result.utterance) {
+      this.partial.textContent = "";
+    }
     const words = (result.words ?? []).filter((w) => w.word);
     if (!result.text && !words.length) {
       this.update();
@@ -52,6 +58,7 @@ export class TranscriptView {
   clear() {
     this.finals.replaceChildren();
     this.partial.textContent = "";
+    this.partialUtterance = undefined;
     this.update();
   }
 
