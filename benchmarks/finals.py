@@ -3,8 +3,10 @@
 For each backend (``torch``: openai-whisper on the memory-mapped fp32 checkpoint;
 ``ctranslate2``: faster-whisper, int8), in this order:
 
-* **CPU per utterance.** In a fresh child process with one thread (as a worker runs it;
-  torch also without bf16 arithmetic, ``torch-fp32``):
+* **CPU per utterance.** In a fresh child process with one thread (as a worker runs it),
+  for each of ``--cpu-variants`` (``VARIANTS``: ``torch-full``, the full 30 s window and
+  fp32 decoder weights; ``torch-window``, the encoder window; ``torch``, the service's
+  default, window and int8 text decoder; ``ctranslate2``; ``torch-fp32``, no bf16 math):
   CPU seconds to decode the first 3 s and the first 20 s of
   ``tests/fixtures/harvard_long.wav``, median of ``--repeats`` runs after one warm-up.
   ``--batch`` also decodes two 3 s clips as one batch (torch) against one after another.
@@ -20,6 +22,7 @@ For each backend (``torch``: openai-whisper on the memory-mapped fp32 checkpoint
   processes (parent included), read from ``/proc/<pid>/smaps_rollup``.
 
     python benchmarks/finals.py [--workers 2] [--concurrency 2] [--rounds 3] [--batch]
+        [--cpu-variants torch-full,torch-window,torch,ctranslate2] [--cpu-only]
 """
 
 from __future__ import annotations
@@ -72,13 +75,25 @@ def corpus_wer(refs: list[str], hyps: list[str]) -> float:
     return jiwer.wer([norm(r) for r in refs], [norm(h) for h in hyps])
 
 
+# What each name measures (on top of the service's defaults: bf16 arithmetic where the CPU
+# has it, encoder window floor 10 s, int8 text decoder).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "torch-full": {"whisper_window_floor_s": 0, "whisper_int8_decoder": False},
+    "torch-window": {"whisper_int8_decoder": False},
+    "torch": {},
+    "torch-fp32": {"whisper_cpu_bf16": False, "whisper_window_floor_s": 0,
+                   "whisper_int8_decoder": False},
+    "ctranslate2": {},
+}
+CPU_VARIANTS = "torch-full,torch-window,torch,ctranslate2"
+
+
 def load_backend(name: str, model_dir: str):
-    """``torch-fp32``: the torch backend without bf16 arithmetic."""
+    """A backend as a worker process loads it, with the settings VARIANTS names."""
     from cosyvoice.asr.whisper_engine import load_backend as load
     from cosyvoice.settings import Settings
-    bf16 = name != "torch-fp32"
     backend = load(Settings(whisper_backend=name.split("-")[0], whisper_threads=1,
-                            model_dir=model_dir, whisper_cpu_bf16=bf16))
+                            model_dir=model_dir, **VARIANTS[name]))
     backend.after_fork()
     return backend
 
@@ -211,6 +226,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch", action="store_true")
+    ap.add_argument("--cpu-variants", default=CPU_VARIANTS,
+                    help="backends (VARIANTS) whose CPU per utterance is measured")
+    ap.add_argument("--cpu-only", action="store_true", help="skip the service and memory")
     ap.add_argument("--model-dir", default=os.environ.get("COSYVOICE_MODEL_DIR", ""))
     ap.add_argument("--json-out")
     args = ap.parse_args()
@@ -220,13 +238,21 @@ def main() -> None:
     model_data.convert(model_dir)
     refs = texts()
     names = sorted(refs)
-    report = {"machine": machine(), "args": vars(args), "backends": {}}
-    fp32 = cpu_per_utterance("torch-fp32", model_dir, args.repeats, False)
-    report["torch_fp32_math_cpu"] = fp32
-    print("torch-fp32", "cpu", json.dumps(fp32), flush=True)
-    for backend in BACKENDS:
-        entry = {"cpu": cpu_per_utterance(backend, model_dir, args.repeats, args.batch)}
-        print(backend, "cpu", json.dumps(entry["cpu"]), flush=True)
+    report: dict[str, Any] = {"machine": machine(), "args": vars(args), "cpu": {},
+                              "backends": {}}
+    for variant in args.cpu_variants.split(","):
+        report["cpu"][variant] = cpu_per_utterance(variant, model_dir, args.repeats,
+                                                   args.batch)
+        print(variant, "cpu", json.dumps(report["cpu"][variant]), flush=True)
+    base = report["cpu"].get("torch-full")
+    if base:
+        print("\n| backend | CPU per 3 s final | CPU per 20 s final |\n|---|---|---|")
+        for variant, r in report["cpu"].items():
+            print(f"| {variant} | {r['3s']['cpu_s']:.2f} s "
+                  f"({r['3s']['cpu_s'] / base['3s']['cpu_s']:.2f}×) | {r['20s']['cpu_s']:.2f} s "
+                  f"({r['20s']['cpu_s'] / base['20s']['cpu_s']:.2f}×) |", flush=True)
+    for backend in [] if args.cpu_only else BACKENDS:
+        entry: dict[str, Any] = {}
         env = {"COSYVOICE_ENGINE": "2pass", "COSYVOICE_WHISPER_BACKEND": backend,
                "COSYVOICE_MODEL_DIR": model_dir, "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
         with Stack(processes=args.workers, env=env) as stack:

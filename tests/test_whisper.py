@@ -328,6 +328,13 @@ def test_the_int8_decoder_gives_the_finals_of_the_fp32_one(model_dir, torch_back
     refs = [TEXTS.get(n) or (FIXTURES / f"{n}.txt").read_text().split("\t", 1)[1]
             for n in names]
     assert corpus_wer(refs, q8) <= corpus_wer(refs, fp32) + 0.005, (q8, fp32)
+    # with a prompt, only the logits decoding reads are computed: the same result
+    audio, prompt = audios[0], "The weather is nice today. Please call me back."
+    assert int8.model.decoder.logit_tail == 4
+    tail = int8._decode([audio], 10, 40, prompt)[0]
+    int8.model.decoder.logit_tail = 0
+    full = int8._decode([audio], 10, 40, prompt)[0]
+    assert (tail.tokens, tail.no_speech_prob) == (full.tokens, full.no_speech_prob)
     # built once beside the checkpoint, then mapped from there
     built = (ckpt.parent / (ckpt.name + int8_decoder.SUFFIX)).stat().st_mtime_ns
     TorchWhisper(str(ckpt), int8_decoder=True)

@@ -109,6 +109,10 @@ def _int8_text_decoder_class() -> type:
     from whisper.model import TextDecoder
 
     class Int8TextDecoder(TextDecoder):
+        # Positions whose logits greedy decoding reads, counted from the end (set by the
+        # caller: the start-of-transcript sequence's length); 0 computes them all.
+        logit_tail = 0
+
         def forward(self, x, xa, kv_cache=None):
             offset = next(iter(kv_cache.values())).shape[1] if kv_cache else 0
             x = (self.token_embedding(x)
@@ -117,6 +121,14 @@ def _int8_text_decoder_class() -> type:
             for block in self.blocks:
                 x = block(x, xa, mask=self.mask, kv_cache=kv_cache)
             x = self.ln(x)
-            return int8_mm(x, self.logits_q, self.logits_s).float()
+            tail = self.logit_tail
+            if not tail or x.shape[1] <= tail:
+                return int8_mm(x, self.logits_q, self.logits_s).float()
+            # The first step of a prompted final: decoding reads the logits at the
+            # start-of-transcript token (the no-speech probability) and at the last
+            # position, both in the tail; the prompt's positions are never read.
+            logits = x.new_zeros((*x.shape[:2], self.logits_q.shape[0]), dtype=torch.float32)
+            logits[:, -tail:] = int8_mm(x[:, -tail:], self.logits_q, self.logits_s).float()
+            return logits
 
     return Int8TextDecoder

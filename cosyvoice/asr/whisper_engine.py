@@ -130,10 +130,12 @@ class TorchWhisper:
         # its vocabulary with an open() it never closes, so do it once, quietly.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
-            whisper.tokenizer.get_tokenizer(  # called exactly as decode() calls it
+            tokenizer = whisper.tokenizer.get_tokenizer(  # called exactly as decode() does
                 model.is_multilingual, num_languages=model.num_languages,
                 language="en", task="transcribe")
             gc.collect()
+        if self.int8_decoder:  # a prompt's logits are never read: not computed
+            model.decoder.logit_tail = len(tokenizer.sot_sequence_including_notimestamps)
         self._options = whisper.DecodingOptions(
             task="transcribe", language="en", temperature=0.0, without_timestamps=True,
             fp16=self.fp16)
