@@ -16,7 +16,8 @@ use into ``--speech-dir`` (needs ``text2wave`` and ``sox``):
 Floor 0 is the full 30 s window (the baseline of the same run). One process, one
 thread, bf16 arithmetic where the CPU has it, as a worker process runs it.
 
-    python benchmarks/window.py [--floors 0,6,8,10,12,15,20] [--json out.json]
+    python benchmarks/window.py [--floors 0,6,8,10,12,15,20] [--variant torch-window]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -132,6 +133,9 @@ def main() -> None:
     ap.add_argument("--speech-dir", default=str(Path.home() / ".cache" / "cosyvoice"
                                                 / "bench-speech" / "harvard"))
     ap.add_argument("--model-dir", default="")
+    ap.add_argument("--variant", default="torch-window",
+                    help="benchmarks/finals.py VARIANTS: torch-window (fp32 decoder) or torch "
+                         "(the service's default, int8 decoder)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     floors = [int(f) for f in args.floors.split(",")]
@@ -139,7 +143,7 @@ def main() -> None:
     refs = [text for text, _ in speech]
     audios = [we._float_audio(pcm) for _, pcm in speech]
     durations = [len(a) / we.MODEL_RATE for a in audios]
-    backend = load_backend("torch", args.model_dir)
+    backend = load_backend(args.variant, args.model_dir)
     backend.decode([audios[0]])  # warm-up
     rows = []
     for floor in floors:

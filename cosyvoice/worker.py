@@ -100,7 +100,7 @@ class Worker:
     """The decode loop of one worker process."""
 
     def __init__(self, settings: Settings, model: Model, client: redis.Redis,
-                 worker_id: str | None = None):
+                 worker_id: str | None = None, finals_process: bool = True):
         self.settings = settings
         self.model = model
         self.bus = busmod.Bus(client, settings.stream_maxlen)
@@ -113,7 +113,10 @@ class Worker:
         self._last_round = 0.0
         self._newest_announcement = "0-0"
         transcribe = getattr(model, "transcribe", None)
-        self.finals = (finals.FinalsStage(transcribe, settings.finals_nice)
+        # Whisper finals (cosyvoice/finals.py): in a finals process forked from this one,
+        # or (``finals_process=False``: tests that hold finals back) in a thread of it
+        self.finals = (finals.FinalsStage(transcribe, settings.finals_nice, finals_process,
+                                          getattr(model, "load_finals_decoder", None))
                        if transcribe is not None else None)
 
     # ---- lifecycle --------------------------------------------------------------------

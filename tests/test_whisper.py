@@ -32,6 +32,7 @@ from .helpers import (
     rounds_until,
     write_session,
 )
+from .launcher import wait_for
 
 SENTENCES = fixture_texts()
 HARVARD = dict(line.split("\t", 1) for line in
@@ -292,7 +293,7 @@ def test_an_unknown_mode_is_refused_with_unsupported_mode(whisper_service):
 
 @pytest.mark.parametrize("whisper_service", ["torch"], indirect=True)
 def test_two_workers_map_the_same_checkpoint_pages(whisper_service, model_dir):
-    """Both worker processes touch every weight they read (one session each), and the
+    """Both finals processes touch every weight they read (one session each), and the
     checkpoint's and the int8 decoder file's mappings are shared between them:
     Shared_Clean, not Private. (faster-whisper loads a private copy per process; the
     benchmark measures both.)"""
@@ -301,12 +302,15 @@ def test_two_workers_map_the_same_checkpoint_pages(whisper_service, model_dir):
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda n: transcribe_pcm(whisper_service.url, read_pcm(n), 16000,
                                                pace="fast", mode="2pass"), ["door", "call"]))
-    children = _children(whisper_service.pool.proc.pid)
-    assert len(children) == 2
+    workers = _children(whisper_service.pool.proc.pid)
+    assert len(workers) == 2
+    # each worker process decodes its finals in its own finals process, forked from it
+    finals_processes = [pid for w in workers for pid in _children(w)]
+    assert len(finals_processes) == 2
     # kB resident, at least: the encoder's fp32 weights (80 MB) in the checkpoint; the
     # decoder reads its int8 copy (49 MB), not its fp32 weights
     for path, resident in ((ckpt, 70 * 1024), (ckpt + int8_decoder.SUFFIX, 40 * 1024)):
-        for pid in children:
+        for pid in finals_processes:
             m = _mapping(pid, path)
             assert m["Rss"] > resident, (pid, path, m)
             assert m["Shared_Clean"] >= 0.9 * m["Rss"], (pid, path, m)
@@ -378,6 +382,46 @@ def test_a_2pass_worker_killed_with_finals_in_hand_is_invisible_to_the_client(wh
     launcher.wait_workers(whisper_service.redis_url, 2, timeout=60)
 
 
+@pytest.mark.parametrize("whisper_service", ["torch"], indirect=True)
+def test_a_finals_process_killed_mid_final_is_started_again_and_loses_nothing(whisper_service):
+    pcm = read_pcm("two_utterances")
+    reference = transcribe_pcm(whisper_service.url, pcm, 16000, pace="fast", mode="2pass")
+    launcher.wait_workers(whisper_service.redis_url, 2, timeout=60)
+    workers = sorted(_children(whisper_service.pool.proc.pid))
+    rds: Any = redis.Redis.from_url(whisper_service.redis_url)  # RESP2 bytes replies
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_the_finals_process_mid_final():
+        while not stop.is_set() and not killed:
+            for _id, f in rds.xrange(busmod.SESSIONS):
+                sid = f[b"sid"].decode()
+                kinds = _kinds(results(rds, sid))
+                owner = rds.get(busmod.lease_key(sid))
+                if ("partial", 1) in kinds and ("final", 1) not in kinds and owner:
+                    worker = int(owner.decode().split("-")[-2])
+                    for pid in _children(worker):
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+            stop.wait(0.005)
+
+    killer = threading.Thread(target=kill_the_finals_process_mid_final)
+    killer.start()
+    try:
+        result = transcribe_pcm(whisper_service.url, pcm, 16000, pace="fast", mode="2pass")
+    finally:
+        stop.set()
+        killer.join()
+        rds.close()
+    assert killed, "a finals process was killed with a final in hand"
+    assert not result.errors and not result.resumes
+    assert [f["utterance"] for f in result.finals] == [0, 1]
+    assert [f["text"] for f in result.finals] == [f["text"] for f in reference.finals]
+    # its worker started another one; no worker process was lost or replaced
+    assert sorted(_children(whisper_service.pool.proc.pid)) == workers
+    wait_for(lambda: len([p for w in workers for p in _children(w)]) == 2, timeout=30)
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -433,7 +477,8 @@ def _two_pass_worker(torch_backend, redis_url, client, **settings):
             return held.decode(super().transcribe, pcm, prompt)
 
     config = Settings(redis_url=redis_url, engine="2pass", finals_nice=0, **settings)
-    worker = Worker(config, HeldTwoPass(config, backend=torch_backend), client)
+    worker = Worker(config, HeldTwoPass(config, backend=torch_backend), client,
+                    finals_process=False)  # the hook holds finals in this process
     worker.bus.ensure_group()
     return worker, held
 

@@ -13,7 +13,7 @@ Two backends decode the finals, on the same model data (``cosyvoice/asr/model_da
   tokenizer. The checkpoint is loaded with ``torch.load(mmap=True)`` and
   ``load_state_dict(assign=True)`` before the worker processes fork, so every worker
   maps the same file pages, stored in the inference dtype (fp32 on CPU, fp16 on CUDA).
-- ``ctranslate2``: faster-whisper with int8 weights, loaded in each worker process
+- ``ctranslate2``: faster-whisper with int8 weights, loaded in each finals process
   after the fork (CTranslate2 is not fork-safe), one thread each.
 """
 
@@ -234,9 +234,10 @@ class CT2Whisper:
         self._model = None
 
     def after_fork(self) -> None:
-        self._load()
+        """Nothing yet: the model is loaded by the process that decodes (``load``), the
+        worker's finals process, which is forked from the worker after this."""
 
-    def _load(self):
+    def load(self):
         if self._model is None:
             from faster_whisper import WhisperModel
             self._model = WhisperModel(self.model_dir, device=self.device,
@@ -245,7 +246,7 @@ class CT2Whisper:
         return self._model
 
     def decode(self, audios: list[np.ndarray], prompt: str = "") -> list[tuple[str, list[int]]]:
-        model = self._load()
+        model = self.load()
         out = []
         for audio in audios:
             segments, _ = model.transcribe(
@@ -295,6 +296,13 @@ class TwoPassModel:
 
     def after_fork(self) -> None:
         self.backend.after_fork()
+
+    def load_finals_decoder(self) -> None:
+        """Run by the process that decodes the finals before its first one: loads what
+        cannot be shared across a fork (CTranslate2)."""
+        load = getattr(self.backend, "load", None)
+        if load is not None:
+            load()
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
                mode: str | None = None) -> "TwoPassStream":
