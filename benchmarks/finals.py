@@ -212,7 +212,7 @@ def pool_pss(backend: str, model_dir: str) -> dict:
         for t in threads:
             t.join()
         parent = psutil.Process(stack.pool.proc.pid)
-        children = parent.children()
+        children = parent.children(recursive=True)  # workers and their finals processes
         kids = [pss_kb(c.pid) for c in children]
         return {"parent_mb": round(pss_kb(parent.pid) / 1024, 1),
                 "children_mb": [round(k / 1024, 1) for k in kids],
@@ -229,6 +229,9 @@ def main() -> None:
     ap.add_argument("--cpu-variants", default=CPU_VARIANTS,
                     help="backends (VARIANTS) whose CPU per utterance is measured")
     ap.add_argument("--cpu-only", action="store_true", help="skip the service and memory")
+    ap.add_argument("--backends", default=",".join(BACKENDS),
+                    help="backends measured through the service")
+    ap.add_argument("--no-memory", action="store_true", help="skip the pool's PSS")
     ap.add_argument("--model-dir", default=os.environ.get("COSYVOICE_MODEL_DIR", ""))
     ap.add_argument("--json-out")
     args = ap.parse_args()
@@ -240,7 +243,7 @@ def main() -> None:
     names = sorted(refs)
     report: dict[str, Any] = {"machine": machine(), "args": vars(args), "cpu": {},
                               "backends": {}}
-    for variant in args.cpu_variants.split(","):
+    for variant in [v for v in args.cpu_variants.split(",") if v]:
         report["cpu"][variant] = cpu_per_utterance(variant, model_dir, args.repeats,
                                                    args.batch)
         print(variant, "cpu", json.dumps(report["cpu"][variant]), flush=True)
@@ -251,7 +254,7 @@ def main() -> None:
             print(f"| {variant} | {r['3s']['cpu_s']:.2f} s "
                   f"({r['3s']['cpu_s'] / base['3s']['cpu_s']:.2f}×) | {r['20s']['cpu_s']:.2f} s "
                   f"({r['20s']['cpu_s'] / base['20s']['cpu_s']:.2f}×) |", flush=True)
-    for backend in [] if args.cpu_only else BACKENDS:
+    for backend in [] if args.cpu_only else args.backends.split(","):
         entry: dict[str, Any] = {}
         env = {"COSYVOICE_ENGINE": "2pass", "COSYVOICE_WHISPER_BACKEND": backend,
                "COSYVOICE_MODEL_DIR": model_dir, "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
@@ -260,6 +263,9 @@ def main() -> None:
                 runs = service_run(stack.url, names, mode, args.concurrency, args.rounds)
                 entry[mode] = summarize(runs, refs)
                 print(backend, mode, json.dumps(entry[mode]), flush=True)
+        if args.no_memory:
+            report["backends"][backend] = entry
+            continue
         entry["pool_pss_4_workers"] = pool_pss(backend, model_dir)
         print(backend, "pss", json.dumps(entry["pool_pss_4_workers"]), flush=True)
         report["backends"][backend] = entry

@@ -57,9 +57,10 @@ class Settings:
     # same models, sessions default to Whisper finals without partials); or "null"
     # (transport benchmarks only).
     engine: str = "pocketsphinx"
-    # Sessions per worker process when the engine is "2pass" or "whisper": a final costs
-    # about 0.3-0.4 CPU-s per audio second on top of PocketSphinx's 0.16, so one process
-    # holds one continuously speaking session under 80 % of its core (docs/benchmarks.md).
+    # Sessions per worker process when the engine is "2pass" or "whisper": a continuously
+    # speaking 2-pass session costs 0.50-0.57 core (PocketSphinx 0.26-0.29, its Whisper
+    # finals 0.24-0.28), and a process gets 0.65 core: floor(0.65 / 0.5) = 1
+    # (docs/benchmarks.md, "Whisper worker capacity").
     whisper_worker_capacity: int = 1
     # Whisper backend for finals: "torch" (openai-whisper on the memory-mapped checkpoint)
     # or "ctranslate2" (faster-whisper, int8).

@@ -249,7 +249,7 @@ auth_values = st.one_of(
     }))
 
 
-@FUZZ
+@settings(FUZZ, max_examples=fuzz_examples(full=3_000))
 @given(auth=auth_values)
 def test_fuzz_connect_handler_only_answers_documented_errors(app, auth):
     client = open_test_client(app, auth=auth, until_session=True)
