@@ -142,7 +142,7 @@ def test_the_checkpoint_is_stored_in_the_inference_dtype(model_dir):
     assert {t.dtype for t in ckpt["model_state_dict"].values()} == {torch.float32}
 
 
-@pytest.mark.fast
+# full tier only: decodes a dozen finals (tens of seconds)
 def test_converter_reproduces_ctranslate2_greedy_tokens(model_dir, torch_backend):
     """The torch model's greedy tokens equal CTranslate2's (faster-whisper, float32)."""
     # two threads: the reference's wall time halves on two cores (the tokens do not depend
@@ -320,7 +320,7 @@ def test_two_workers_map_the_same_checkpoint_pages(whisper_service, model_dir):
             assert m["Private_Dirty"] == 0, (pid, path, m)
 
 
-@pytest.mark.fast
+# full tier only: decodes a dozen finals (tens of seconds)
 def test_the_int8_decoder_gives_the_finals_of_the_fp32_one(model_dir, torch_backend):
     from cosyvoice.asr import int8_decoder
     ckpt = model_data.checkpoint_path(model_dir)
