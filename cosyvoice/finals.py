@@ -61,7 +61,7 @@ def next_prompt(prompt: str, text: str) -> str:
 
 @dataclass
 class Context:
-    """A session's context for its finals, shared by the loop and the finals thread."""
+    """A session's context for its finals, shared by the loop and the finals stage."""
     prompt: str = ""
     cancelled: bool = False  # the session is no longer this process's: skip its finals
 
@@ -178,15 +178,8 @@ class FinalsStage:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._in_hand = 0
-        self.decoded = 0
-        self.restarts = 0  # finals processes started again after one died
         self._thread = threading.Thread(target=self._run, name="finals", daemon=True)
         self._thread.start()
-
-    @property
-    def pid(self) -> int | None:
-        """The finals process's pid (None: decoded in this process)."""
-        return self._process.pid if self._process is not None else None
 
     def submit(self, job: Job) -> None:
         with self._idle:
@@ -236,7 +229,6 @@ class FinalsStage:
                             self._process.pid, exc)
                 self._process.close()
                 self._process = FinalProcess(self._decode, self._nice, self._prepare)
-                self.restarts += 1
         raise RuntimeError(f"the finals process died {PROCESS_TRIES} times on one final")
 
     def _one(self, job: Job) -> None:
@@ -253,5 +245,4 @@ class FinalsStage:
         job.result["text"] = text
         ctx.prompt = next_prompt(ctx.prompt, text)
         job.prompt_after = ctx.prompt
-        self.decoded += 1
         job.done = True

@@ -80,7 +80,7 @@ class Settings:
     # (one scale per row; output projection included), kept in a mapped file beside the
     # checkpoint (cosyvoice/asr/int8_decoder.py; docs/benchmarks.md, "int8 decoder").
     whisper_int8_decoder: bool = True
-    # Niceness of each worker process's finals thread (cosyvoice/finals.py): Whisper
+    # Niceness of each worker process's finals process (cosyvoice/finals.py): Whisper
     # finals are decoded beside the partials, at this lower CPU priority, so a busy
     # machine gives the partials the CPU first. 0 decodes them at the loop's priority.
     finals_nice: int = 5

@@ -91,7 +91,7 @@ class OwnedSession:
     next_seq: int
     rate: int
     context: finals.Context = field(default_factory=finals.Context)
-    # finals (and the end) waiting for the finals thread, in order
+    # finals (and the end) waiting for the finals stage, in order
     pending: deque[finals.Pending] = field(default_factory=deque)
     ended: bool = False  # ``last`` consumed: nothing more to read, the end is pending
 
@@ -307,7 +307,7 @@ class Worker:
 
     def _publish_entry(self, s: OwnedSession, entry_id: str, results: list[dict],
                        checkpoint: dict | None, last: bool) -> bool:
-        """Publish an entry's results, or queue its finals for the finals thread (the
+        """Publish an entry's results, or queue its finals for the finals stage (the
         partials go out at once). False when the session no longer exists."""
         jobs = [finals.Job(s.context, r, r.pop("audio")) for r in results if "audio" in r]
         if not jobs and not s.pending:

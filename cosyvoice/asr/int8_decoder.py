@@ -93,15 +93,18 @@ class Int8Linear(nn.Linear):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def install(model: Any, tensors: dict[str, torch.Tensor]) -> None:
+def install(model: Any, tensors: dict[str, torch.Tensor], logit_tail: int = 0) -> None:
     """Make ``model``'s decoder read the int8 weights: its projections become Int8Linear
-    and its output projection the int8 copy of the token embedding."""
+    and its output projection the int8 copy of the token embedding. ``logit_tail``: the
+    positions, from the end, whose logits greedy decoding reads (the start-of-transcript
+    sequence's length); 0 computes them all."""
     decoder = model.decoder
     for name, module in _targets(decoder).items():
         module.__class__ = Int8Linear
         module.q, module.s = tensors[f"{name}.q"], tensors[f"{name}.s"]
     decoder.__class__ = _int8_text_decoder_class()
     decoder.logits_q, decoder.logits_s = tensors["logits.q"], tensors["logits.s"]
+    decoder.logit_tail = logit_tail
 
 
 def _int8_text_decoder_class() -> type:
@@ -109,9 +112,7 @@ def _int8_text_decoder_class() -> type:
     from whisper.model import TextDecoder
 
     class Int8TextDecoder(TextDecoder):
-        # Positions whose logits greedy decoding reads, counted from the end (set by the
-        # caller: the start-of-transcript sequence's length); 0 computes them all.
-        logit_tail = 0
+        logit_tail = 0  # set by install()
 
         def forward(self, x, xa, kv_cache=None):
             offset = next(iter(kv_cache.values())).shape[1] if kv_cache else 0

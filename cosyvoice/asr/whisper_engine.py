@@ -111,12 +111,6 @@ class TorchWhisper:
         # assign=True keeps the mapped tensors themselves as the parameters (the freshly
         # initialised ones are freed): no private copy of the weights.
         model.load_state_dict(state, assign=True, strict=True)
-        # int8 decoder weights (cosyvoice/asr/int8_decoder.py): a file of their own beside
-        # the checkpoint, mapped too (CPU only).
-        self.int8_decoder = int8_decoder and self.device == "cpu"
-        if self.int8_decoder:
-            from . import int8_decoder as int8
-            int8.install(model, int8.load_or_build(model, checkpoint))
         if self.device != "cpu":
             model = model.to(self.device)
         self.model = model.eval()
@@ -134,8 +128,13 @@ class TorchWhisper:
                 model.is_multilingual, num_languages=model.num_languages,
                 language="en", task="transcribe")
             gc.collect()
-        if self.int8_decoder:  # a prompt's logits are never read: not computed
-            model.decoder.logit_tail = len(tokenizer.sot_sequence_including_notimestamps)
+        # int8 decoder weights (cosyvoice/asr/int8_decoder.py): a file of their own beside
+        # the checkpoint, mapped too (CPU only); a prompt's logits, never read, are skipped.
+        self.int8_decoder = int8_decoder and self.device == "cpu"
+        if self.int8_decoder:
+            from . import int8_decoder as int8
+            int8.install(model, int8.load_or_build(model, checkpoint),
+                         logit_tail=len(tokenizer.sot_sequence_including_notimestamps))
         self._options = whisper.DecodingOptions(
             task="transcribe", language="en", temperature=0.0, without_timestamps=True,
             fp16=self.fp16)
@@ -344,7 +343,7 @@ class TwoPassStream:
                     out.append(r)
                 continue
             if r["type"] == "final":
-                # decoded by the worker's finals thread (cosyvoice/finals.py), which
+                # decoded by the worker's finals stage (cosyvoice/finals.py), which
                 # fills in the text with model.transcribe(audio, prompt)
                 r = {**r, "text": "", "words": [], "engine": "whisper",
                      "audio": self._ps.take_utterance_audio(r["utterance"])}
