@@ -348,35 +348,42 @@ def test_the_int8_decoder_gives_the_finals_of_the_fp32_one(model_dir, torch_back
     assert (ckpt.parent / (ckpt.name + int8_decoder.SUFFIX)).stat().st_mtime_ns == built
 
 
-@pytest.mark.parametrize("whisper_service", ["torch"], indirect=True)
-def test_a_2pass_worker_killed_with_finals_in_hand_is_invisible_to_the_client(whisper_service):
-    pcm = read_pcm("two_utterances")
-    reference = transcribe_pcm(whisper_service.url, pcm, 16000, pace="fast", mode="2pass")
-    rds: Any = redis.Redis.from_url(whisper_service.redis_url)  # RESP2 bytes replies
+def _transcribe_killing_mid_final(service, pcm: bytes, victims) -> tuple[Any, list[int]]:
+    """Stream ``pcm`` in 2-pass mode and, once its utterance 1's partials are out and its
+    final is not (the owner holds that final), SIGKILL ``victims(owner_pid)``, once."""
+    rds: Any = redis.Redis.from_url(service.redis_url)  # RESP2 bytes replies
     killed: list[int] = []
     stop = threading.Event()
 
     def kill_while_a_final_is_in_hand():
-        """Utterance 1's partials are out and its final is not: the owner holds it."""
         while not stop.is_set() and not killed:
             for _id, f in rds.xrange(busmod.SESSIONS):
                 sid = f[b"sid"].decode()
                 kinds = _kinds(results(rds, sid))
                 owner = rds.get(busmod.lease_key(sid))
                 if ("partial", 1) in kinds and ("final", 1) not in kinds and owner:
-                    pid = int(owner.decode().split("-")[-2])
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
+                    for pid in victims(int(owner.decode().split("-")[-2])):
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
             stop.wait(0.005)
 
     killer = threading.Thread(target=kill_while_a_final_is_in_hand)
     killer.start()
     try:
-        result = transcribe_pcm(whisper_service.url, pcm, 16000, pace="fast", mode="2pass")
+        result = transcribe_pcm(service.url, pcm, 16000, pace="fast", mode="2pass")
     finally:
         stop.set()
         killer.join()
         rds.close()
+    return result, killed
+
+
+@pytest.mark.parametrize("whisper_service", ["torch"], indirect=True)
+def test_a_2pass_worker_killed_with_finals_in_hand_is_invisible_to_the_client(whisper_service):
+    pcm = read_pcm("two_utterances")
+    reference = transcribe_pcm(whisper_service.url, pcm, 16000, pace="fast", mode="2pass")
+    result, killed = _transcribe_killing_mid_final(whisper_service, pcm,
+                                                   lambda worker: [worker])
     assert killed, "the owner was killed with a final in hand"
     assert not result.errors
     assert [f["utterance"] for f in result.finals] == [0, 1]
@@ -391,31 +398,7 @@ def test_a_finals_process_killed_mid_final_is_started_again_and_loses_nothing(wh
     reference = transcribe_pcm(whisper_service.url, pcm, 16000, pace="fast", mode="2pass")
     launcher.wait_workers(whisper_service.redis_url, 2, timeout=60)
     workers = sorted(_children(whisper_service.pool.proc.pid))
-    rds: Any = redis.Redis.from_url(whisper_service.redis_url)  # RESP2 bytes replies
-    killed: list[int] = []
-    stop = threading.Event()
-
-    def kill_the_finals_process_mid_final():
-        while not stop.is_set() and not killed:
-            for _id, f in rds.xrange(busmod.SESSIONS):
-                sid = f[b"sid"].decode()
-                kinds = _kinds(results(rds, sid))
-                owner = rds.get(busmod.lease_key(sid))
-                if ("partial", 1) in kinds and ("final", 1) not in kinds and owner:
-                    worker = int(owner.decode().split("-")[-2])
-                    for pid in _children(worker):
-                        os.kill(pid, signal.SIGKILL)
-                        killed.append(pid)
-            stop.wait(0.005)
-
-    killer = threading.Thread(target=kill_the_finals_process_mid_final)
-    killer.start()
-    try:
-        result = transcribe_pcm(whisper_service.url, pcm, 16000, pace="fast", mode="2pass")
-    finally:
-        stop.set()
-        killer.join()
-        rds.close()
+    result, killed = _transcribe_killing_mid_final(whisper_service, pcm, _children)
     assert killed, "a finals process was killed with a final in hand"
     assert not result.errors and not result.resumes
     assert [f["utterance"] for f in result.finals] == [0, 1]
