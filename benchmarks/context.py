@@ -30,12 +30,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import wave
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.finals import corpus_wer, load_backend, normalizer  # noqa: E402
+from benchmarks.window import read_wav, speak  # noqa: E402
 from cosyvoice import finals  # noqa: E402
 from cosyvoice.asr import whisper_engine as we  # noqa: E402
 
@@ -73,18 +73,11 @@ def synthesize(directory: Path) -> bytes:
         with tempfile.TemporaryDirectory() as tmp:
             parts = []
             for i, sentence in enumerate(sentences(PASSAGE)):
-                raw, part = Path(tmp) / f"{i}.raw.wav", Path(tmp) / f"{i}.wav"
-                subprocess.run(["text2wave", "-eval", "(voice_cmu_us_slt_arctic_hts)", "-o",
-                                str(raw)], input=sentence.encode(), check=True,
-                               capture_output=True)
-                pause = PAUSES_S[i % len(PAUSES_S)]
-                subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", "-b", "16",
-                                str(part), "pad", "0", str(pause)], check=True,
-                               capture_output=True)
+                part = Path(tmp) / f"{i}.wav"
+                speak(sentence, part, PAUSES_S[i % len(PAUSES_S)])
                 parts.append(str(part))
             subprocess.run(["sox", *parts, str(wav)], check=True, capture_output=True)
-    with wave.open(str(wav), "rb") as w:
-        return w.readframes(w.getnframes())
+    return read_wav(wav)
 
 
 def sentences(text: str) -> list[str]:

@@ -83,6 +83,23 @@ SENTENCES = [
 ]
 
 
+def speak(text: str, wav: Path, pause_s: float = 0.0) -> None:
+    """``text`` read by festival's cmu_us_slt_arctic_hts voice into ``wav`` (16 kHz mono
+    16-bit), followed by ``pause_s`` of silence."""
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "x.wav"
+        subprocess.run(["text2wave", "-eval", "(voice_cmu_us_slt_arctic_hts)", "-o", str(raw)],
+                       input=text.encode(), check=True, capture_output=True)
+        pad = ["pad", "0", str(pause_s)] if pause_s else []
+        subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", "-b", "16", str(wav), *pad],
+                       check=True, capture_output=True)
+
+
+def read_wav(wav: Path) -> bytes:
+    with wave.open(str(wav), "rb") as w:
+        return w.readframes(w.getnframes())
+
+
 def synthesize(directory: Path) -> list[tuple[str, bytes]]:
     """(reference, 16 kHz PCM) of every sentence, made with festival once."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -90,15 +107,8 @@ def synthesize(directory: Path) -> list[tuple[str, bytes]]:
     for i, text in enumerate(SENTENCES):
         wav = directory / f"h{i:02d}.wav"
         if not wav.is_file():
-            with tempfile.TemporaryDirectory() as tmp:
-                raw = Path(tmp) / "x.wav"
-                subprocess.run(["text2wave", "-eval", "(voice_cmu_us_slt_arctic_hts)",
-                                "-o", str(raw)], input=text.encode(), check=True,
-                               capture_output=True)
-                subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", "-b", "16",
-                                str(wav)], check=True, capture_output=True)
-        with wave.open(str(wav), "rb") as w:
-            out.append((text, w.readframes(w.getnframes())))
+            speak(text, wav)
+        out.append((text, read_wav(wav)))
     return out
 
 
