@@ -22,7 +22,7 @@ from socketio.exceptions import ConnectionRefusedError as Refused
 
 from . import bus as busmod
 from . import metrics, tokens
-from .asr import ENGINE_MODES
+from .asr import ENGINES
 from .errors import (
     BadChunk,
     CosyvoiceError,
@@ -117,7 +117,7 @@ class Gateway:
         self.relay = ResultRelay(client, self.bus, socketio, start=relay_results)
         self.connections: dict[str, Connection] = {}
         # Session modes the workers' engine offers (auth ``mode``); the first is the default.
-        self.modes = ENGINE_MODES.get(settings.engine, (settings.engine,))
+        self.modes = ENGINES[settings.engine].modes
 
     def register(self) -> None:
         on = self.socketio.on

@@ -14,7 +14,7 @@ import time
 
 from . import bus as busmod
 from . import debug_mem
-from .asr import WHISPER_ENGINES, Model, load_model
+from .asr import ENGINES, Model, load_model
 from .settings import Settings
 from .worker import Worker
 
@@ -65,9 +65,9 @@ def run_pool(settings: Settings, processes: int) -> int:
     Decoders are created here, before fork, so their model pages are shared between the
     worker processes. The first SIGTERM drains every worker; a second one kills them.
     """
-    if settings.engine in WHISPER_ENGINES:
-        # Whisper finals cost more than PocketSphinx's: admission counts them.
-        settings = settings.replace(worker_capacity=settings.whisper_worker_capacity)
+    # Each engine's sessions cost what they cost: admission counts them with its capacity.
+    capacity = getattr(settings, ENGINES[settings.engine].capacity_setting)
+    settings = settings.replace(worker_capacity=capacity)
     model = load_model(settings.engine, settings)
     model.preload(settings.worker_capacity)
     children: dict[int, int] = {}

@@ -52,7 +52,8 @@ class Settings:
     # Port on which `cosyvoice worker` serves its pool's Prometheus metrics (on
     # COSYVOICE_HOST); 0 turns it off, so several pools on one host never collide.
     worker_metrics_port: int = 0
-    # Recogniser engine: "pocketsphinx"; "2pass" (PocketSphinx partials, Whisper finals;
+    # Recogniser engine: "pocketsphinx"; "whisper-live" (Whisper tiny.en partials and
+    # finals, cosyvoice/asr/live_engine.py); "2pass" (PocketSphinx partials, Whisper finals;
     # a session may also ask for "pocketsphinx" or "whisper" finals only); "whisper" (the
     # same models, sessions default to Whisper finals without partials); or "null"
     # (transport benchmarks only).
@@ -62,6 +63,18 @@ class Settings:
     # finals 0.24-0.28), and a process gets 0.65 core: floor(0.65 / 0.5) = 1
     # (docs/benchmarks.md, "Whisper worker capacity").
     whisper_worker_capacity: int = 1
+    # Sessions per worker process when the engine is "whisper-live" (docs/engines.md,
+    # "Capacity"): from the measured cost of a continuously speaking session.
+    live_worker_capacity: int = 4
+    # whisper-live: the open utterance is decoded again for a partial once this much new
+    # audio has arrived and as long has passed (docs/engines.md, "Partial interval").
+    live_partial_interval_s: float = 1.0
+    # whisper-live: beam width of finals (1 is greedy); partials are always greedy. Beam 5
+    # costs little more than greedy on short utterances and fixes words (docs/engines.md).
+    live_beam_size: int = 5
+    # whisper-live: an utterance longer than this ends at the first chunk that ends in a
+    # pause, so no utterance outgrows Whisper's 30 s window (hard cut: max_utterance_s).
+    live_pause_cut_s: float = 12.0
     # Whisper backend for finals: "torch" (openai-whisper on the memory-mapped checkpoint)
     # or "ctranslate2" (faster-whisper, int8).
     whisper_backend: str = "torch"
@@ -234,6 +247,10 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "worker_capacity": _at_least(1),
     "engine": _one_of(*ENGINES),
     "whisper_worker_capacity": _at_least(1),
+    "live_worker_capacity": _at_least(1),
+    "live_partial_interval_s": _more_than(0),
+    "live_beam_size": _at_least(1),
+    "live_pause_cut_s": _more_than(0),
     "whisper_backend": _one_of(*WHISPER_BACKENDS),
     "whisper_threads": _at_least(1),
     "whisper_device": _one_of("", "cpu", "cuda"),

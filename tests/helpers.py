@@ -53,6 +53,35 @@ def wer(reference: str, hypothesis: str) -> float:
     return jiwer.wer(ref, hyp)
 
 
+def _normalizer():
+    import gc
+    import warnings
+
+    from whisper.normalizers import EnglishTextNormalizer
+    # openai-whisper reads its spelling table with an open() it never closes.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        normalizer = EnglishTextNormalizer()
+        gc.collect()
+    return normalizer
+
+
+_NORMALIZE: list = []
+
+
+def whisper_normalize(text: str) -> str:
+    """Whisper's English normaliser (numbers, spelling, punctuation): "ten o'clock" and
+    "10 o'clock" agree."""
+    if not _NORMALIZE:
+        _NORMALIZE.append(_normalizer())
+    return _NORMALIZE[0](text)
+
+
+def corpus_wer(refs: list[str], hyps: list[str]) -> float:
+    """Word error rate over the whole set, both sides through Whisper's English normaliser."""
+    return jiwer.wer([whisper_normalize(r) for r in refs], [whisper_normalize(h) for h in hyps])
+
+
 def direct_decode(pcm: bytes) -> str:
     """The recogniser's own transcript of the whole file in one utterance."""
     decoder = pocketsphinx.Decoder(loglevel="FATAL")
@@ -61,6 +90,29 @@ def direct_decode(pcm: bytes) -> str:
     decoder.end_utt()
     hyp = decoder.hyp()
     return hyp.hypstr if hyp else ""
+
+
+# ---- an engine driven in this process ---------------------------------------------------
+
+
+def run_stream(model, pcm, rate=16000, chunk_ms=200, checkpoint=None, start=0):
+    """A session's results from ``model`` fed ``pcm`` in chunks from byte ``start``, and
+    the checkpoint after each chunk that gave a final (keyed by the byte after it)."""
+    stream = model.stream(rate, checkpoint)
+    size = rate * chunk_ms // 1000 * 2
+    results, checkpoints = [], {}
+    for i in range(start, len(pcm), size):
+        out = stream.feed(pcm[i:i + size])
+        results += out
+        if any(r["type"] == "final" for r in out):
+            checkpoints[i + size] = stream.checkpoint
+    results += stream.flush()
+    stream.close()
+    return results, checkpoints
+
+
+def finals(results):
+    return [r for r in results if r["type"] == "final"]
 
 
 # ---- a session written straight into Redis, a worker driven a round at a time ---------

@@ -15,7 +15,16 @@ from cosyvoice.errors import ERROR_CODES, BadChunk, TooLarge, UnsupportedRate
 from cosyvoice.protocol import Chunk, decode_chunk, encode_chunk
 from cosyvoice.settings import Settings
 
-from .helpers import FIXTURES, ROOT, direct_decode, fixture_texts, read_pcm, wer
+from .helpers import (
+    FIXTURES,
+    ROOT,
+    direct_decode,
+    finals,
+    fixture_texts,
+    read_pcm,
+    run_stream,
+    wer,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -136,22 +145,6 @@ def model():
     return load_model("pocketsphinx", Settings())
 
 
-def run_stream(model, pcm, rate=16000, chunk_ms=200, checkpoint=None, start=0):
-    stream = model.stream(rate, checkpoint)
-    size = rate * chunk_ms // 1000 * 2
-    results, checkpoints = [], {}
-    for i in range(start, len(pcm), size):
-        out = stream.feed(pcm[i:i + size])
-        results += out
-        if any(r["type"] == "final" for r in out):
-            checkpoints[i + size] = stream.checkpoint
-    results += stream.flush()
-    stream.close()
-    return results, checkpoints
-
-
-def finals(results):
-    return [r for r in results if r["type"] == "final"]
 
 
 def test_clean_word_drops_fillers_and_variants():

@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import jiwer
 import numpy as np
 import pytest
 import redis
@@ -26,10 +25,12 @@ from . import launcher
 from .helpers import (
     FIXTURES,
     TEST_ENV,
+    corpus_wer,
     fixture_texts,
     read_pcm,
     results,
     rounds_until,
+    whisper_normalize,
     write_session,
 )
 from .launcher import wait_for
@@ -40,28 +41,6 @@ HARVARD = dict(line.split("\t", 1) for line in
 TEXTS = {**SENTENCES, **HARVARD}
 
 
-def _normalizer():
-    import gc
-    import warnings
-
-    from whisper.normalizers import EnglishTextNormalizer
-    # openai-whisper reads its spelling table with an open() it never closes.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        normalizer = EnglishTextNormalizer()
-        gc.collect()
-    return normalizer
-
-
-NORMALIZE = _normalizer()
-
-
-def corpus_wer(refs: list[str], hyps: list[str]) -> float:
-    """Word error rate over the whole set, both sides through Whisper's English normaliser
-    (numbers, spelling and punctuation), so that "ten o'clock" and "10 o'clock" agree."""
-    refs = [NORMALIZE(r) for r in refs]
-    hyps = [NORMALIZE(h) for h in hyps]
-    return jiwer.wer(refs, hyps)
 
 
 @pytest.fixture(scope="session")
@@ -185,7 +164,7 @@ def test_finals_use_a_short_window_and_a_runaway_is_decoded_again_in_the_full_on
     duration = len(audio) / 16000
     assert window_s(duration, 10) == 10
     text, _ = backend.decode([audio])[0]
-    assert NORMALIZE(text) == NORMALIZE(TEXTS["rice"]) and backend.redecodes == 0
+    assert whisper_normalize(text) == whisper_normalize(TEXTS["rice"]) and backend.redecodes == 0
     # 3 s is too short for the stock model: it repeats the sentence to its token limit
     stock = backend._decode([audio], 3, 0)[0]
     assert degenerate(stock.compression_ratio, len(stock.tokens), token_cap(duration))
@@ -194,7 +173,7 @@ def test_finals_use_a_short_window_and_a_runaway_is_decoded_again_in_the_full_on
     assert window_s(duration, 3) == 3
     text, _ = backend.decode([audio])[0]
     assert backend.redecodes == 1, "the runaway is decoded again in the full window"
-    assert NORMALIZE(text) == NORMALIZE(TEXTS["rice"])
+    assert whisper_normalize(text) == whisper_normalize(TEXTS["rice"])
 
 
 def test_cli_model_command_converts_into_the_model_dir(tmp_path, artifacts):

@@ -15,6 +15,8 @@ original would from the next chunk on.
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -42,31 +44,51 @@ class Model(Protocol):
 
 # Sample rates a session may stream at: every engine's front end resamples them exactly.
 SUPPORTED_RATES = (8000, 16000, 48000)
-ENGINES = ("pocketsphinx", "2pass", "whisper", "null")
-# Engines whose finals come from Whisper (cosyvoice/asr/whisper_engine.py).
-WHISPER_ENGINES = ("2pass", "whisper")
-# Backends of Whisper finals (COSYVOICE_WHISPER_BACKEND).
+# Backends of Whisper base finals (COSYVOICE_WHISPER_BACKEND).
 WHISPER_BACKENDS = ("torch", "ctranslate2")
-# Where a session's finals come from (auth ``mode``).
-SESSION_MODES = ("pocketsphinx", "2pass", "whisper")
-# The session modes each engine offers; the first is the default.
-ENGINE_MODES = {
-    "pocketsphinx": ("pocketsphinx",),
-    "2pass": ("2pass", "pocketsphinx", "whisper"),
-    "whisper": ("whisper", "2pass", "pocketsphinx"),
-    "null": ("null",),
-}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine and what it declares: where its model comes from, the session modes it
+    offers (auth ``mode``; the first is the default), the setting that holds a worker
+    process's capacity for it, and whether its finals are decoded by the worker's finals
+    stage (the model has ``transcribe``; cosyvoice/finals.py)."""
+    name: str
+    factory: str  # "module:callable", called with (settings, default_mode)
+    modes: tuple[str, ...]
+    capacity_setting: str = "worker_capacity"
+    finals_stage: bool = False
+    summary: str = ""
+
+
+ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
+    EngineSpec("pocketsphinx", "pocketsphinx_engine:PocketSphinxModel", ("pocketsphinx",),
+               summary="PocketSphinx partials and finals (low cost, least accurate)"),
+    EngineSpec("whisper-live", "live_engine:LiveModel", ("whisper-live",),
+               capacity_setting="live_worker_capacity",
+               summary="Whisper tiny.en re-decoded as speech arrives, finals at endpoints"),
+    EngineSpec("2pass", "whisper_engine:TwoPassModel", ("2pass", "pocketsphinx", "whisper"),
+               capacity_setting="whisper_worker_capacity", finals_stage=True,
+               summary="PocketSphinx partials, Whisper base finals"),
+    EngineSpec("whisper", "whisper_engine:TwoPassModel", ("whisper", "2pass", "pocketsphinx"),
+               capacity_setting="whisper_worker_capacity", finals_stage=True,
+               summary="Whisper base finals only, no partials"),
+    EngineSpec("null", "null_engine:NullModel", ("null",),
+               summary="no recognition (transport benchmarks only)"),
+)}
+# Every session mode some engine offers.
+SESSION_MODES = tuple(dict.fromkeys(m for spec in ENGINES.values() for m in spec.modes
+                                    if m != "null"))
 
 
 def load_model(engine: str, settings) -> Model:
     """Load the named engine's model with the recogniser settings."""
-    if engine == "pocketsphinx":
-        from .pocketsphinx_engine import PocketSphinxModel
-        return PocketSphinxModel(settings)
-    if engine in WHISPER_ENGINES:
-        from .whisper_engine import TwoPassModel
-        return TwoPassModel(settings, default_mode=engine)
-    if engine == "null":
-        from .null_engine import NullModel
-        return NullModel()
-    raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    spec = ENGINES.get(engine)
+    if spec is None:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {tuple(ENGINES)}")
+    module, _, attr = spec.factory.partition(":")
+    factory = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    if spec.finals_stage:
+        return factory(settings, default_mode=engine)
+    return factory(settings)

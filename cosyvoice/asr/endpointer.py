@@ -1,27 +1,82 @@
-"""Utterance endpointing on PocketSphinx's voice activity detector.
+"""Utterance endpointing on a voice activity detector: PocketSphinx's ``Vad`` (the
+PocketSphinx engines) or Silero VAD (``SileroVad``, the whisper-live engine; chosen by
+benchmarks/vad.py, docs/engines.md).
 
 PocketSphinx ships an ``Endpointer`` too, but each one leaks its C buffers when it is
 garbage-collected (about 19 KB; a stream needs a fresh one after every utterance, so a
 worker grew by megabytes an hour), and it holds every frame back by a whole window. This
 one keeps the same rule — a speech start when ``ratio`` of the last ``window_s`` of
-frames is speech, an end when ``ratio`` of them is not — on a ``Vad`` (which frees
-cleanly), hands the window over at the start and every later frame at once.
+frames is speech, an end when ``ratio`` of them is not — on a detector that frees
+cleanly, hands the window over at the start and every later frame at once.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Any, Protocol
 
+import numpy as np
 from pocketsphinx import Vad
 
 FRAME_S = 0.03
 
 
+class FrameVad(Protocol):
+    """A voice activity detector over fixed frames of 16-bit PCM."""
+    frame_bytes: int
+    frame_length: float  # seconds
+
+    def is_speech(self, frame: bytes) -> bool: ...
+
+
+class SileroVad:
+    """Silero VAD v6, the ONNX model faster-whisper ships, on 32 ms frames at 16 kHz.
+
+    The model is recurrent: each frame is scored with the 64 samples before it and the
+    LSTM state the previous frame left, carried here, so scoring frame by frame gives the
+    probabilities of scoring the whole stream at once. A new detector starts from silence,
+    as the front end does after each final, so a stream rebuilt from a checkpoint scores
+    the same frames the same way. ``session`` is one ``SileroVADModel`` per process (an
+    ONNX Runtime session; stateless, shared by every stream of the process).
+    """
+
+    frame_samples = 512
+    frame_bytes = 2 * frame_samples
+    frame_length = frame_samples / 16000
+    context_samples = 64
+
+    def __init__(self, session: Any, threshold: float = 0.5):
+        self._run = session.session.run
+        self.threshold = threshold
+        self._h = np.zeros((1, 1, 128), dtype=np.float32)
+        self._c = np.zeros((1, 1, 128), dtype=np.float32)
+        self._context = np.zeros(self.context_samples, dtype=np.float32)
+        self.probability = 0.0  # of the latest frame
+
+    def is_speech(self, frame: bytes) -> bool:
+        x = np.frombuffer(frame, dtype="<i2").astype(np.float32) / 32768.0
+        window = np.concatenate([self._context, x])[None]
+        out, self._h, self._c = self._run(None, {"input": window, "h": self._h, "c": self._c})
+        self._context = x[-self.context_samples:]
+        self.probability = float(out.reshape(-1)[0])
+        return self.probability >= self.threshold
+
+
+def silero_session():
+    """One Silero VAD model (ONNX Runtime, one thread) for the calling process."""
+    import os
+
+    from faster_whisper.utils import get_assets_path
+    from faster_whisper.vad import SileroVADModel
+
+    return SileroVADModel(os.path.join(get_assets_path(), "silero_vad_v6.onnx"))
+
+
 class Endpointer:
     def __init__(self, window_s: float = 0.3, ratio: float = 0.9, sample_rate: int = 16000,
-                 mode: int = Vad.LOOSE):
-        self._vad = Vad(mode, sample_rate, FRAME_S)
+                 mode: int = Vad.LOOSE, vad: FrameVad | None = None):
+        self._vad: FrameVad = vad if vad is not None else Vad(mode, sample_rate, FRAME_S)
         self.frame_bytes = self._vad.frame_bytes
         self.frame_length = self._vad.frame_length
         self.sample_rate = sample_rate
@@ -33,10 +88,12 @@ class Endpointer:
         self.in_speech = False
         self.speech_start = 0.0  # seconds from the first frame
         self.speech_end = 0.0
+        self.last_speech = False  # the VAD's call on the latest frame
 
     def process(self, frame: bytes) -> bytes | None:
         """Audio to decode for this frame (the whole window at a start), or None."""
         speech = self._vad.is_speech(frame)
+        self.last_speech = speech
         self._frames += 1
         self._window.append((speech, frame))
         self._speech_in_window += speech

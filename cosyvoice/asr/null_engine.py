@@ -34,6 +34,9 @@ class NullStream:
 class NullModel:
     name = "null"
 
+    def __init__(self, settings=None):
+        self.settings = settings
+
     def preload(self, n: int) -> None:
         pass
 

@@ -21,7 +21,7 @@ from typing import Any
 import pocketsphinx
 
 from .endpointer import Endpointer
-from .resample import StreamingResampler
+from .resample import ModelRateInput
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,7 @@ class PocketSphinxStream:
         self._buf = bytearray()
         self._ep_pos = 0  # samples the endpointer has seen since the reset
         self._history = bytearray()  # the latest audio the endpointer saw, for pre-roll
-        self._resampler = (None if self._rate == MODEL_RATE
-                           else StreamingResampler(self._rate, MODEL_RATE))
+        self._input = ModelRateInput(self._rate, MODEL_RATE)
         self._in_utt = False
         self._utt_start = 0
         self._last_partial = ""
@@ -129,21 +128,10 @@ class PocketSphinxStream:
 
     # ---- input ------------------------------------------------------------------------
 
-    def _to_model_rate(self, pcm: bytes, sample_rate: int | None) -> bytes:
-        head = b""
-        if sample_rate and sample_rate != self._rate:
-            # Rate switch: drain the old resampler, keep the decoder state.
-            if self._resampler is not None:
-                head = self._resampler.flush()
-            self._rate = sample_rate
-            self._resampler = (None if sample_rate == MODEL_RATE
-                               else StreamingResampler(sample_rate, MODEL_RATE))
-        if self._resampler is not None:
-            pcm = self._resampler.feed(pcm)
-        return head + pcm
-
     def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
-        data = self._to_model_rate(pcm, sample_rate)
+        # a rate switch drains the old resampler and keeps the decoder state
+        data = self._input.convert(pcm, sample_rate)
+        self._rate = self._input.rate
         self._offset += len(data) // 2
         self._buf += data
         speech = bytearray()
@@ -236,7 +224,8 @@ class PocketSphinxStream:
         self._cmn = self._dec.get_cmn()
         words: list[dict[str, Any]] = []
         frame = MODEL_RATE // FRAMES_PER_S  # samples per frame
-        for seg in self._dec.seg():
+        # seg() is None when the decoder found no path (an utterance ended almost at once)
+        for seg in self._dec.seg() or ():
             word = clean_word(seg.word)
             if word is None:
                 continue
@@ -263,10 +252,9 @@ class PocketSphinxStream:
 
     def flush(self) -> list[dict]:
         """End of stream: decode what is buffered and return the last final."""
-        if self._resampler is not None:
-            tail = self._resampler.flush()
-            self._offset += len(tail) // 2
-            self._buf += tail
+        tail = self._input.flush()
+        self._offset += len(tail) // 2
+        self._buf += tail
         speech = bytearray()
         final = self._consume_frames(speech)
         if final is None and self._ep.in_speech:

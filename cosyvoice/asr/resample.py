@@ -25,3 +25,30 @@ class StreamingResampler:
 
     def flush(self) -> bytes:
         return self.feed(b"", last=True)
+
+
+class ModelRateInput:
+    """A session's audio at its current rate in, the model's rate out. A chunk at another
+    rate switches the session: the old resampler is drained first, so nothing is lost."""
+
+    def __init__(self, rate: int, model_rate: int = 16000):
+        self.rate = rate
+        self.model_rate = model_rate
+        self._resampler = self._make(rate)
+
+    def _make(self, rate: int) -> StreamingResampler | None:
+        return None if rate == self.model_rate else StreamingResampler(rate, self.model_rate)
+
+    def convert(self, pcm: bytes, sample_rate: int | None = None) -> bytes:
+        head = b""
+        if sample_rate and sample_rate != self.rate:
+            if self._resampler is not None:
+                head = self._resampler.flush()
+            self.rate = sample_rate
+            self._resampler = self._make(sample_rate)
+        if self._resampler is not None:
+            pcm = self._resampler.feed(pcm)
+        return head + pcm
+
+    def flush(self) -> bytes:
+        return self._resampler.flush() if self._resampler is not None else b""

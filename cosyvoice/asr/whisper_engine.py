@@ -25,7 +25,7 @@ import warnings
 
 import numpy as np
 
-from . import SESSION_MODES, WHISPER_BACKENDS
+from . import ENGINES, WHISPER_BACKENDS
 from .pocketsphinx_engine import MODEL_RATE, PocketSphinxModel, PocketSphinxStream
 
 # Silence added around an utterance before Whisper sees it: the endpointer cuts close to
@@ -306,7 +306,7 @@ class TwoPassModel:
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
                mode: str | None = None) -> "TwoPassStream":
         mode = (checkpoint or {}).get("mode") or mode or self.default_mode
-        if mode not in SESSION_MODES:
+        if mode not in ENGINES["2pass"].modes:
             mode = self.default_mode
         ps_cp = None
         if checkpoint is not None:

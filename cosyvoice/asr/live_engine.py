@@ -1,0 +1,268 @@
+"""``whisper-live``: Whisper tiny.en (``tiny_whisper.py``) for partials and finals.
+
+No true streaming neural model ships its weights in a package here, so this engine does what
+WhisperLive and whisper_streaming do: a small Whisper decodes the open utterance again as
+speech arrives.
+
+- **Endpointing.** The endpointer (``endpointer.py``, the rule the PocketSphinx engine
+  uses) on Silero VAD splits the stream into utterances; audio it calls silence is never
+  decoded. Silero rather than PocketSphinx's detector: on the fixtures it found every
+  utterance and nothing in noise or tones, where PocketSphinx's found two false ones, for
+  0.003 CPU-s per audio second (benchmarks/vad.py, docs/engines.md). A start keeps
+  ``endpoint_preroll_s`` of audio before it, so soft onsets survive.
+- **Partials.** While an utterance is open it is decoded again (greedy) once at least
+  ``live_partial_interval_s`` of new audio has arrived *and* as long has passed on the
+  clock since the last re-decode: a session that is behind (a worker catching up, a
+  take-over replaying its audio) skips re-decodes instead of queueing them. A partial
+  carries ``stable``: the words its decode and the one before agree on (LocalAgreement, as
+  whisper_streaming), which later partials of the utterance rarely change.
+- **Finals** at each endpoint: beam search (``live_beam_size``), the session's previous
+  finals as Whisper's prompt, word times and confidences from the cross-attention
+  alignment. An utterance is cut before it outgrows Whisper's window: after
+  ``live_pause_cut_s`` at the first chunk that ends in a pause (``PAUSE_FRAMES`` frames the
+  VAD calls silence), at ``max_utterance_s`` (at most ``MAX_CLIP_S``) regardless.
+- **Nothing from no speech**: the VAD first, then Whisper's own no-speech rule and text
+  without a letter or digit (Whisper writes "." on silence) give no final.
+
+Checkpoint: after each final the front end (VAD, endpointer, resampler, frame buffer) is
+reset at the chunk boundary, as in the PocketSphinx engine; the checkpoint is that reset
+point, the prompt, and the last ``endpoint_preroll_s`` of audio before it (the next
+utterance's onset may be there: an endpoint is called a window after the speech ended, and
+the next speaker may have started by then). Decoding is deterministic (CTranslate2 on one
+thread), so a stream rebuilt from a checkpoint gives the same finals as the original from
+the next chunk on.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any, Callable
+
+from ..finals import next_prompt
+from .endpointer import Endpointer, SileroVad, silero_session
+from .resample import ModelRateInput
+from .tiny_whisper import FULL_WINDOW_S, PAD_S, WINDOW_MARGIN_S, TinyWhisper, model_dir
+
+ENGINE = "whisper-live"
+MODEL_RATE = 16000
+# Longest clip one decode takes: Whisper's window less the padding and the margin.
+MAX_CLIP_S = FULL_WINDOW_S - 2 * PAD_S - WINDOW_MARGIN_S
+# A chunk that ends in this many frames of silence (32 ms each) ends a long utterance.
+PAUSE_FRAMES = 3
+# Shortest open utterance worth a partial.
+MIN_PARTIAL_S = 0.5
+# Partials are decoded in a shorter encoder window than finals (a third of the cost); a
+# degenerate partial is dropped instead of decoded again (docs/engines.md).
+PARTIAL_WINDOW_FLOOR_S = 10.0
+
+
+def _norm(word: str) -> str:
+    return "".join(c for c in word.lower() if c.isalnum() or c == "'")
+
+
+def agreed_prefix(a: list[str], b: list[str]) -> int:
+    """How many leading words two hypotheses share (case and punctuation aside)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if _norm(x) != _norm(y):
+            break
+        n += 1
+    return n
+
+
+class LiveModel:
+    """The tiny.en decoder of one worker process: verified before the fork, loaded after."""
+
+    name = ENGINE
+
+    def __init__(self, settings, decoder: TinyWhisper | None = None):
+        self.settings = settings
+        self.decoder = decoder or TinyWhisper(model_dir(), threads=settings.whisper_threads)
+        # The clock partials are paced by (tests may replace it).
+        self.clock: Callable[[], float] = time.monotonic
+        self._vad_session: Any = None
+
+    def preload(self, n: int) -> None:
+        pass
+
+    def after_fork(self) -> None:
+        """Load what cannot cross a fork (CTranslate2, ONNX Runtime) in this process."""
+        self.decoder.load()
+        self.vad_session()
+
+    def vad_session(self) -> Any:
+        if self._vad_session is None:
+            self._vad_session = silero_session()
+        return self._vad_session
+
+    def stream(self, sample_rate: int, checkpoint: dict | None = None,
+               mode: str | None = None) -> "LiveStream":
+        cp = checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate, "prompt": ""}
+        return LiveStream(self, cp)
+
+
+class LiveStream:
+    def __init__(self, model: LiveModel, cp: dict):
+        s = model.settings
+        self._model = model
+        self._dec = model.decoder
+        self._window = s.endpoint_window_s
+        self._ratio = s.endpoint_ratio
+        self._preroll = int(s.endpoint_preroll_s * MODEL_RATE)
+        self._max_utt = int(min(s.max_utterance_s, MAX_CLIP_S) * MODEL_RATE)
+        self._pause_cut = int(s.live_pause_cut_s * MODEL_RATE)
+        self._interval = s.live_partial_interval_s
+        self._beam = s.live_beam_size
+        # A start is called once most of a window is speech: keep a window and more.
+        self._history_bytes = 2 * (self._preroll + int((self._window + 0.2) * MODEL_RATE))
+        self._offset = int(cp["offset"])  # model-rate samples received since session start
+        self._utt = int(cp["utterance"])
+        self._rate = int(cp["rate"])
+        self._prompt = str(cp.get("prompt", ""))
+        self._reset_front_end(base64.b64decode(cp.get("preroll", "")))
+
+    @property
+    def checkpoint(self) -> dict:
+        return {"offset": self._ep_base, "utterance": self._utt, "rate": self._rate,
+                "prompt": self._prompt,
+                "preroll": base64.b64encode(self._carried).decode("ascii")}
+
+    def _reset_front_end(self, carried: bytes = b"") -> None:
+        """A fresh front end from here on; ``carried``: the audio just before this point
+        that a start's pre-roll may reach back into (the last ``endpoint_preroll_s``)."""
+        self._carried = carried[-2 * self._preroll:] if self._preroll else b""
+        self._ep = Endpointer(window_s=self._window, ratio=self._ratio, sample_rate=MODEL_RATE,
+                              vad=SileroVad(self._model.vad_session()))
+        self._ep_base = self._offset
+        self._buf = bytearray()
+        self._ep_pos = 0  # samples the endpointer has seen since the reset
+        # the latest audio the stream received, for pre-roll (it ends at ``_ep_pos``)
+        self._history = bytearray(self._carried)
+        self._input = ModelRateInput(self._rate, MODEL_RATE)
+        self._quiet = 0  # frames since the VAD last heard speech
+        self._in_utt = False
+        self._utt_start = 0
+        self._utt_pcm = bytearray()
+        self._partial_at = 0  # utterance samples at the last re-decode
+        self._partial_time = float("-inf")
+        self._hyp: list[str] = []
+        self._last_partial = ""
+
+    def _seconds(self, samples: int) -> float:
+        return round(samples / MODEL_RATE, 3)
+
+    # ---- input ------------------------------------------------------------------------
+
+    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
+        data = self._input.convert(pcm, sample_rate)
+        self._rate = self._input.rate
+        self._offset += len(data) // 2
+        self._buf += data
+        end = self._consume_frames()
+        if end is not None:
+            return self._finish_and_reset(end)
+        if not self._in_utt:
+            return []
+        length = len(self._utt_pcm) // 2
+        if length >= self._max_utt or (length >= self._pause_cut
+                                       and self._quiet >= PAUSE_FRAMES):
+            return self._finish_and_reset(self._ep_base + self._ep_pos)
+        return self._partial()
+
+    def _consume_frames(self) -> int | None:
+        """Run whole frames through the endpointer; the end sample at an endpoint."""
+        ep = self._ep
+        fb = ep.frame_bytes
+        while len(self._buf) >= fb:
+            frame = bytes(self._buf[:fb])
+            del self._buf[:fb]
+            self._ep_pos += fb // 2
+            self._history += frame
+            if len(self._history) > self._history_bytes:
+                del self._history[:len(self._history) - self._history_bytes]
+            was_in_speech = ep.in_speech
+            out = ep.process(frame)
+            self._quiet = 0 if ep.last_speech else self._quiet + 1
+            if out is None:
+                continue
+            if not was_in_speech:
+                self._start_utterance()
+            self._utt_pcm += out
+            if not ep.in_speech:
+                return self._ep_base + int(round(ep.speech_end * MODEL_RATE))
+        return None
+
+    def _start_utterance(self) -> None:
+        """Open an utterance with the pre-roll: the audio just before the detected start."""
+        self._in_utt = True
+        start = int(round(self._ep.speech_start * MODEL_RATE))
+        hist_start = self._ep_pos - len(self._history) // 2
+        pre_from = max(hist_start, start - self._preroll)
+        self._utt_start = self._ep_base + pre_from
+        self._utt_pcm = bytearray(
+            self._history[(pre_from - hist_start) * 2:(start - hist_start) * 2])
+
+    # ---- output -----------------------------------------------------------------------
+
+    def _partial(self) -> list[dict]:
+        n = len(self._utt_pcm) // 2
+        now = self._model.clock()
+        if (n < MIN_PARTIAL_S * MODEL_RATE or n - self._partial_at < self._interval * MODEL_RATE
+                or now - self._partial_time < self._interval):
+            return []
+        self._partial_at, self._partial_time = n, now
+        decoded = self._dec.decode(bytes(self._utt_pcm), self._prompt, beam_size=1,
+                                   floor_s=PARTIAL_WINDOW_FLOOR_S, fallback=False)
+        words = decoded.text.split()
+        stable = agreed_prefix(self._hyp, words)
+        self._hyp = words
+        if not words or decoded.text == self._last_partial:
+            return []
+        self._last_partial = decoded.text
+        return [{"type": "partial", "text": decoded.text, "stable": " ".join(words[:stable]),
+                 "utterance": self._utt, "start": self._seconds(self._utt_start),
+                 "end": self._seconds(self._offset)}]
+
+    def _finish_and_reset(self, end_sample: int) -> list[dict]:
+        out = self._finish(end_sample)
+        # The rest of the chunk is not run through this endpointer, but the next
+        # utterance's pre-roll may reach back into it (its onset may be there).
+        self._reset_front_end(bytes(self._history + self._buf))
+        return out
+
+    def _finish(self, end_sample: int) -> list[dict]:
+        """Decode the utterance in progress; its final, if it said anything."""
+        self._in_utt = False
+        decoded = self._dec.decode(bytes(self._utt_pcm), self._prompt, beam_size=self._beam,
+                                   words=True)
+        if not decoded.text:
+            return []
+        start, end = self._seconds(self._utt_start), self._seconds(end_sample)
+        words = [{**w, "start": min(round(start + w["start"], 3), end),
+                  "end": min(round(start + w["end"], 3), end)} for w in decoded.words]
+        final = {"type": "final", "text": decoded.text, "utterance": self._utt,
+                 "start": start, "end": end, "words": words, "engine": ENGINE}
+        self._prompt = next_prompt(self._prompt, decoded.text)
+        self._utt += 1
+        return [final]
+
+    def flush(self) -> list[dict]:
+        """End of stream: decode what is buffered and return the last final."""
+        tail = self._input.flush()
+        self._offset += len(tail) // 2
+        self._buf += tail
+        end = self._consume_frames()
+        if end is None and self._ep.in_speech:
+            tail = self._ep.end_stream(bytes(self._buf)) or b""
+            self._utt_pcm += tail
+        self._buf.clear()
+        if end is None and self._in_utt:
+            end = self._offset
+        if end is None:
+            self._reset_front_end(bytes(self._history))
+            return []
+        return self._finish_and_reset(end)
+
+    def close(self) -> None:
+        pass

