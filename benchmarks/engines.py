@@ -26,6 +26,10 @@ For each engine in ``--engines`` (default: pocketsphinx, whisper-live, 2pass):
     python benchmarks/engines.py [--engines pocketsphinx,whisper-live,2pass]
         [--levels whisper-live=4,8,12,16] [--workers 2] [--seconds 40] [--json-out F]
 
+An engine may be a variant, ``ENGINE/SETTING=VALUE/...``: ``whisper-live/live_beam_size=1``
+is whisper-live with greedy finals (its levels: ``--levels whisper-live/live_beam_size=1=8``
+or, when not given, the engine's).
+
 Each run finishes within 15 minutes with the defaults on a 2-core machine.
 """
 
@@ -45,7 +49,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.stack import FIXTURES, Stack, percentile, read_fixture  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
-from cosyvoice.asr import ENGINES  # noqa: E402
 from cosyvoice.audio import split_chunks  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
 from tests.helpers import corpus_wer  # noqa: E402
@@ -85,11 +88,20 @@ def _decode(model, pcm: bytes) -> str:
     return " ".join(t for t in texts if t)
 
 
-def direct(engine: str) -> dict:
+def variant(label: str) -> tuple[str, dict[str, str]]:
+    """``engine`` or ``engine/KEY=VALUE/...`` (KEY: a setting, as in COSYVOICE_KEY): the
+    engine and the settings that make the variant."""
+    engine, *pairs = label.split("/")
+    return engine, dict(pair.split("=", 1) for pair in pairs)
+
+
+def direct(label: str) -> dict:
     from cosyvoice.asr import load_model
     from cosyvoice.settings import Settings
 
-    model = load_model(engine, Settings(engine=engine))
+    engine, overrides = variant(label)
+    env = {f"COSYVOICE_{k.upper()}": v for k, v in overrides.items()}
+    model = load_model(engine, Settings.from_env(env, engine=engine))
     getattr(model, "after_fork", lambda: None)()
     if hasattr(model, "load_finals_decoder"):
         model.load_finals_decoder()
@@ -173,11 +185,12 @@ def _dist(values: list[float]) -> dict:
             "p95": round(percentile(values, 95))}
 
 
-def run_level(engine: str, sessions: int, workers: int, seconds: float) -> dict:
-    spec = ENGINES[engine]
+def run_level(label: str, sessions: int, workers: int, seconds: float) -> dict:
+    engine, overrides = variant(label)
     per_process = max(1, math.ceil(sessions / workers))
-    env = {"COSYVOICE_ENGINE": engine, f"COSYVOICE_{spec.capacity_setting.upper()}":
-           str(per_process), "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
+    env = {"COSYVOICE_ENGINE": engine, "COSYVOICE_WORKER_CAPACITY": str(per_process),
+           "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0",
+           **{f"COSYVOICE_{k.upper()}": v for k, v in overrides.items()}}
     texts = {k: v for group in groups().values() for k, v in group.items()}
     with Stack(processes=workers, env=env) as stack:
         meter = CpuMeter({"gateway": stack.gateway.proc.pid, "workers": stack.pool.proc.pid,
@@ -195,7 +208,7 @@ def run_level(engine: str, sessions: int, workers: int, seconds: float) -> dict:
     errors = [e for c in clients for e in c.errors]
     worker_cores = (after["workers"] - before["workers"]) / wall
     level: dict[str, Any] = {
-        "engine": engine, "sessions": sessions, "per_process": per_process,
+        "engine": label, "sessions": sessions, "per_process": per_process,
         "completed_sessions": sum(c.sessions for c in clients),
         "wer": round(corpus_wer([r for c in clients for r in c.refs],
                                 [h for c in clients for h in c.hyps]), 4),
@@ -222,13 +235,14 @@ def main() -> None:
     ap.add_argument("--json-out")
     args = ap.parse_args()
     levels_of = dict(DEFAULT_LEVELS)
-    levels_of.update(dict(item.split("=", 1) for item in args.levels))
+    levels_of.update(dict(item.rsplit("=", 1) for item in args.levels))
     report: dict[str, Any] = {"machine": machine(), "args": vars(args), "engines": {}}
     for engine in args.engines.split(","):
         entry: dict[str, Any] = {"direct": direct(engine), "levels": []}
         report["engines"][engine] = entry
         print(json.dumps({engine: entry["direct"]}), file=sys.stderr, flush=True)
-        for n in (int(x) for x in levels_of[engine].split(",")):
+        levels = levels_of.get(engine) or levels_of[variant(engine)[0]]
+        for n in (int(x) for x in levels.split(",")):
             level = run_level(engine, n, args.workers, args.seconds)
             entry["levels"].append(level)
             print(json.dumps(level), file=sys.stderr, flush=True)

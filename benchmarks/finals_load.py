@@ -99,7 +99,7 @@ def workers_cpu_s(stack: Stack) -> dict[str, float]:
 def run_level(n: int, args) -> dict:
     env = {"COSYVOICE_ENGINE": "2pass", "COSYVOICE_WHISPER_BACKEND": args.backend,
            "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0",
-           "COSYVOICE_WHISPER_WORKER_CAPACITY": str(math.ceil(n / args.workers)),
+           "COSYVOICE_WORKER_CAPACITY": str(math.ceil(n / args.workers)),
            **dict(kv.split("=", 1) for kv in args.env)}
     with Stack(processes=args.workers, env=env) as stack:
         cpu0, t0 = workers_cpu_s(stack), time.monotonic()

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", parents=[common], help="run ASR worker processes")
     worker.add_argument("--processes", type=int, default=None,
                         help="worker processes (default: --workers, 0 = one per core)")
+    worker.add_argument("--calibrate", action="store_true",
+                        help="measure what one worker process on this host holds with the "
+                             "engine, print the COSYVOICE_WORKER_CAPACITY to set, and exit")
     tr = sub.add_parser("transcribe", help="stream a WAV file and print its transcript")
     tr.add_argument("file", help="WAV file: integer PCM of 8-32 bits, any rate and channels")
     tr.add_argument("--url", type=_url, default="http://127.0.0.1:5000",
@@ -149,6 +152,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "gateway":
         return cmd_gateway(_settings(args))
     if args.command == "worker":
+        if args.calibrate:
+            return cmd_calibrate(_settings(args))
         return cmd_worker(_settings(args), args.processes)
     if args.command == "serve":
         return cmd_serve(_settings(args))
@@ -224,6 +229,18 @@ def cmd_gateway(settings: Settings) -> int:
           flush=True)
     server.serve_forever()
     return EXIT_OK
+
+
+def cmd_calibrate(settings: Settings) -> int:
+    """Decode the calibration audio as real-time sessions; print the capacity it implies."""
+    from .asr.calibrate import calibrate
+
+    c = calibrate(settings)
+    print(f"engine {c.engine}: {c.cost:.3f} CPU-s per audio second per session here, "
+          f"{c.reference_cost:.3f} on the reference host (capacity {c.reference_capacity}); "
+          f"sessions per worker process here:", file=sys.stderr)
+    print(f"COSYVOICE_WORKER_CAPACITY={c.capacity}")
+    return 0
 
 
 def cmd_worker(settings: Settings, processes: int | None) -> int:

@@ -14,7 +14,7 @@ import time
 
 from . import bus as busmod
 from . import debug_mem
-from .asr import ENGINES, Model, load_model
+from .asr import Model, capacity_of, load_model
 from .settings import Settings
 from .worker import Worker
 
@@ -66,8 +66,7 @@ def run_pool(settings: Settings, processes: int) -> int:
     worker processes. The first SIGTERM drains every worker; a second one kills them.
     """
     # Each engine's sessions cost what they cost: admission counts them with its capacity.
-    capacity = getattr(settings, ENGINES[settings.engine].capacity_setting)
-    settings = settings.replace(worker_capacity=capacity)
+    settings = settings.replace(worker_capacity=capacity_of(settings))
     model = load_model(settings.engine, settings)
     model.preload(settings.worker_capacity)
     children: dict[int, int] = {}

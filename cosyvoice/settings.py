@@ -43,29 +43,21 @@ class Settings:
     gateway_graceful_timeout_s: int = 10
     # ASR worker processes `serve` starts; 0 means one per core (decoding is CPU-bound).
     workers: int = 0
-    # Sessions one worker process decodes at once, derived from the engine's measured
-    # cost (docs/benchmarks.md, "Worker capacity"): a PocketSphinx session costs its worker
-    # 0.10 of a core, and latency turns up past 0.6 of a core per process (finals miss
-    # 250 ms at 0.8): floor(0.65 / 0.10) = 6. Admission control refuses sessions beyond
-    # it instead of letting latency grow.
-    worker_capacity: int = 6
+    # Sessions one worker process decodes at once; 0 takes the engine's own, measured on
+    # a 2-core host (docs/engines.md, "Capacity": whisper-live 4, PocketSphinx 6, 2-pass 1).
+    # `cosyvoice worker --calibrate` measures this host and prints the value to set here.
+    # Admission control refuses sessions beyond it instead of letting latency grow.
+    worker_capacity: int = 0
     # Port on which `cosyvoice worker` serves its pool's Prometheus metrics (on
     # COSYVOICE_HOST); 0 turns it off, so several pools on one host never collide.
     worker_metrics_port: int = 0
-    # Recogniser engine: "pocketsphinx"; "whisper-live" (Whisper tiny.en partials and
-    # finals, cosyvoice/asr/live_engine.py); "2pass" (PocketSphinx partials, Whisper finals;
+    # Recogniser engine: "whisper-live" (Whisper tiny.en partials and finals,
+    # cosyvoice/asr/live_engine.py: a third of PocketSphinx's word errors, docs/engines.md);
+    # "pocketsphinx" (the low-cost engine); "2pass" (PocketSphinx partials, Whisper finals;
     # a session may also ask for "pocketsphinx" or "whisper" finals only); "whisper" (the
     # same models, sessions default to Whisper finals without partials); or "null"
     # (transport benchmarks only).
-    engine: str = "pocketsphinx"
-    # Sessions per worker process when the engine is "2pass" or "whisper": a continuously
-    # speaking 2-pass session costs 0.50-0.57 core (PocketSphinx 0.26-0.29, its Whisper
-    # finals 0.24-0.28), and a process gets 0.65 core: floor(0.65 / 0.5) = 1
-    # (docs/benchmarks.md, "Whisper worker capacity").
-    whisper_worker_capacity: int = 1
-    # Sessions per worker process when the engine is "whisper-live" (docs/engines.md,
-    # "Capacity"): from the measured cost of a continuously speaking session.
-    live_worker_capacity: int = 4
+    engine: str = "whisper-live"
     # whisper-live: the open utterance is decoded again for a partial once this much new
     # audio has arrived and as long has passed (docs/engines.md, "Partial interval").
     live_partial_interval_s: float = 1.0
@@ -244,10 +236,8 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "gateway_timeout_s": _at_least(1),
     "gateway_graceful_timeout_s": _at_least(0),
     "workers": _at_least(0),
-    "worker_capacity": _at_least(1),
+    "worker_capacity": _at_least(0),
     "engine": _one_of(*ENGINES),
-    "whisper_worker_capacity": _at_least(1),
-    "live_worker_capacity": _at_least(1),
     "live_partial_interval_s": _more_than(0),
     "live_beam_size": _at_least(1),
     "live_pause_cut_s": _more_than(0),

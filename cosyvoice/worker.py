@@ -25,7 +25,7 @@ import redis
 
 from . import bus as busmod
 from . import finals, metrics, sweeper
-from .asr import Model, Stream
+from .asr import Model, Stream, capacity_of
 from .backoff import Backoff
 from .protocol import parse_stored
 from .settings import Settings
@@ -103,6 +103,7 @@ class Worker:
                  worker_id: str | None = None, finals_process: bool = True):
         self.settings = settings
         self.model = model
+        self.capacity = capacity_of(settings)
         self.bus = busmod.Bus(client, settings.stream_maxlen)
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.sessions: dict[str, OwnedSession] = {}
@@ -155,7 +156,7 @@ class Worker:
         if now >= self._next_sweep:
             self._next_sweep = now + sweeper.SWEEP_INTERVAL_S
             sweeper.sweep(self.bus, self.id, self.settings.sweep_idle_s)
-        free = self.settings.worker_capacity - len(self.sessions)
+        free = self.capacity - len(self.sessions)
         if free > 0 and self.accepting:
             self._claim(now, free)
         waiting = self._publish_finals()
@@ -179,7 +180,7 @@ class Worker:
             self._next_autoclaim = now + self.settings.claim_interval_ms / 1000
             orphan_idle_ms = self.settings.lease_ttl_ms
         self._newest_announcement, claimed = self.bus.place(
-            self.id, self.settings.worker_capacity, free, orphan_idle_ms, PLACEMENT_DEFER_MS)
+            self.id, self.capacity, free, orphan_idle_ms, PLACEMENT_DEFER_MS)
         for ann in claimed:
             self._adopt(ann)
 
@@ -230,8 +231,8 @@ class Worker:
             else:
                 log.warning("lost the lease of session %s", sid, extra={"session": sid})
         self.bus.touch_announcements(self.id, [s.announcement for s in self.sessions.values()])
-        self.bus.heartbeat(self.id, self.settings.worker_capacity, self.settings.lease_ttl_ms)
-        metrics.worker_load(len(self.sessions), self.settings.worker_capacity)
+        self.bus.heartbeat(self.id, self.capacity, self.settings.lease_ttl_ms)
+        metrics.worker_load(len(self.sessions), self.capacity)
 
     def _adopt(self, ann: busmod.Announcement) -> None:
         if ann.sid in self.sessions:

@@ -9,14 +9,16 @@ import json
 import re
 import wave
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jiwer
 import pocketsphinx
 
 from cosyvoice import bus as busmod
+from cosyvoice.asr import load_model
 from cosyvoice.audio import split_chunks
 from cosyvoice.protocol import encode_chunk
+from cosyvoice.settings import Settings
 
 from .launcher import ROOT, wait_for
 
@@ -82,14 +84,45 @@ def corpus_wer(refs: list[str], hyps: list[str]) -> float:
     return jiwer.wer([whisper_normalize(r) for r in refs], [whisper_normalize(h) for h in hyps])
 
 
-def direct_decode(pcm: bytes) -> str:
-    """The recogniser's own transcript of the whole file in one utterance."""
+# The engine of every test service that names none: the default.
+ENGINE = Settings().engine
+_MODELS: dict[str, Any] = {}
+
+
+def engine_model(engine: str) -> Any:
+    """The engine's model in this process, loaded once."""
+    if engine not in _MODELS:
+        _MODELS[engine] = load_model(engine, Settings(engine=engine))
+    return _MODELS[engine]
+
+
+def direct_decode(pcm: bytes, engine: str = ENGINE) -> str:
+    """The engine's own transcript of a 16 kHz file without the service. PocketSphinx:
+    the whole file decoded as one utterance. whisper-live: the file fed in this process as
+    a session's stream (the same 200 ms chunks), which the service must match word for
+    word."""
+    if engine != "pocketsphinx":
+        return " ".join(f["text"] for f in finals(run_stream(engine_model(engine), pcm)[0])
+                        if f["text"])
     decoder = pocketsphinx.Decoder(loglevel="FATAL")
     decoder.start_utt()
     decoder.process_raw(pcm, full_utt=True)
     decoder.end_utt()
     hyp = decoder.hyp()
     return hyp.hypstr if hyp else ""
+
+
+# Where a client's 200 ms chunk grid may fall against the audio: leading silence, ms.
+PHASES_MS = (0, 40, 80, 120, 160)
+
+
+def phase_bound(reference: str, pcm: bytes, engine: str = ENGINE) -> float:
+    """The WER a transcript of ``pcm`` streamed by a client that does not start on the
+    file's first sample (the page: its capture starts wherever the device is) may have:
+    the engine's worst direct decode over ``PHASES_MS`` of leading silence, plus 0.01.
+    Whisper's output can change with the phase (tiny.en writes "sea shore" at some)."""
+    return max(wer(reference, direct_decode(b"\x00\x00" * (16 * ms) + pcm, engine))
+               for ms in PHASES_MS) + 0.01
 
 
 # ---- an engine driven in this process ---------------------------------------------------

@@ -172,8 +172,8 @@ def test_gunicorn_config_rejects_a_bad_setting_in_one_line():
     import os
     proc = subprocess.run([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py",
                            "cosyvoice.webui:app"], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, env={**os.environ, "COSYVOICE_WORKER_CAPACITY": "0"})
-    assert_fails(proc, cli.EXIT_USAGE, "COSYVOICE_WORKER_CAPACITY=0")
+                          cwd=ROOT, env={**os.environ, "COSYVOICE_WORKER_CAPACITY": "-1"})
+    assert_fails(proc, cli.EXIT_USAGE, "COSYVOICE_WORKER_CAPACITY=-1")
 
 
 # ---- unreachable -------------------------------------------------------------------------

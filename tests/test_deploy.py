@@ -301,7 +301,8 @@ def test_worker_metrics_show_load_capacity_and_decode_lag(stack):
     stream = Stream(stack.gateways[0].url).connect()
     try:
         chunks = read_pcm("weather")
-        for seq in range(5):
+        # 1.6 s of speech: results to publish (whisper-live's first partial needs 1 s)
+        for seq in range(8):
             chunk = chunks[seq * 6400:(seq + 1) * 6400]
             assert stream.send(encode_chunk(chunk, seq)) == {"seq": seq}
         wait_for(lambda: _worker_totals(stack)["cosyvoice_worker_sessions"] == 1, timeout=20)

@@ -197,7 +197,8 @@ def test_whisper_live_halves_pocketsphinx_word_errors(live):
 
 
 def test_finals_carry_word_times_confidences_and_the_engine(live):
-    results, _ = run_stream(live, fixture("two_utterances"))
+    results, _ = run_stream(live, fixture("two_utterances") + read_pcm("meeting"))
+    assert "o'clock." in finals(results)[-1]["text"]  # one word, though two pieces
     for f in finals(results):
         assert f["engine"] == "whisper-live"
         assert [w["word"] for w in f["words"]] == f["text"].split()
@@ -258,3 +259,47 @@ def test_partials_are_paced_by_audio_and_clock_and_stable_words_lead():
     # utterance at most.
     behind, _ = _partials(0.0)
     assert 0 < len(behind) <= utterances
+
+
+# ---- capacity -------------------------------------------------------------------------
+
+
+@pytest.mark.fast
+def test_a_slower_host_admits_fewer_sessions():
+    from cosyvoice.asr.calibrate import Calibration
+    assert Calibration("whisper-live", 0.1, 0.1, 4).capacity == 4
+    assert Calibration("whisper-live", 0.2, 0.1, 4).capacity == 2
+    assert Calibration("whisper-live", 0.05, 0.1, 4).capacity == 8
+    assert Calibration("whisper-live", 5.0, 0.1, 4).capacity == 1  # never none
+
+
+def test_worker_calibrate_measures_this_host_and_prints_the_setting():
+    import re
+    import subprocess
+    import sys
+
+    from .helpers import ROOT
+    proc = subprocess.run([sys.executable, "-m", "cosyvoice", "worker", "--calibrate",
+                           "--engine", "whisper-live"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    match = re.fullmatch(r"COSYVOICE_WORKER_CAPACITY=(\d+)\n", proc.stdout)
+    assert match and int(match.group(1)) >= 1, proc.stdout
+    said = re.search(r"engine whisper-live: ([\d.]+) CPU-s", proc.stderr)
+    assert said and 0 < float(said.group(1)) < 1, proc.stderr
+
+
+def test_the_pool_admits_the_engines_capacity_unless_told(fresh_redis, fresh_redis_client,
+                                                          artifacts):
+    from cosyvoice import bus as busmod
+
+    from . import launcher
+    for capacity, expected in ((None, ENGINES["whisper-live"].capacity), (3, 3)):
+        pool = launcher.start_worker_pool(fresh_redis.url, capacity=capacity, logs=artifacts,
+                                          name=f"capacity-{capacity}")
+        try:
+            infos = busmod.Bus(fresh_redis_client).live_workers()
+            assert [i["capacity"] for i in infos] == [expected]
+        finally:
+            launcher.stop(pool.proc)
+            fresh_redis_client.flushall()

@@ -38,7 +38,7 @@ def test_settings_read_env_with_types():
 
 def test_settings_overrides_win_and_none_is_ignored():
     s = Settings.from_env({"COSYVOICE_PORT": "6001"}, port=7000, engine=None)
-    assert s.port == 7000 and s.engine == "pocketsphinx"
+    assert s.port == 7000 and s.engine == "whisper-live"
 
 
 def test_settings_reject_garbage_and_round_trip_through_env():
@@ -57,7 +57,7 @@ def test_settings_rules_cover_every_checkable_setting_and_accept_the_defaults():
                                    "whisper_checkpoint", "model_dir", "allowed_origins",
                                    "auth_secret"}
     assert Settings().validate() == Settings()
-    for env in ({"COSYVOICE_WORKER_CAPACITY": "0"}, {"COSYVOICE_ENDPOINT_RATIO": "1.5"},
+    for env in ({"COSYVOICE_WORKER_CAPACITY": "-1"}, {"COSYVOICE_ENDPOINT_RATIO": "1.5"},
                 {"COSYVOICE_DEFAULT_SAMPLE_RATE": "22050"},
                 {"COSYVOICE_REDIS_URL": "redis://:6379"},
                 {"COSYVOICE_WHISPER_BACKEND": "onnx"}, {"COSYVOICE_FINALS_NICE": "20"}):

@@ -441,7 +441,9 @@ def _two_pass_worker(torch_backend, redis_url, client, **settings):
         def transcribe(self, pcm: bytes, prompt: str = "") -> str:
             return held.decode(super().transcribe, pcm, prompt)
 
-    config = Settings(redis_url=redis_url, engine="2pass", finals_nice=0, **settings)
+    # two sessions at once (the 2-pass engines' own capacity is 1 per process)
+    config = Settings(redis_url=redis_url, engine="2pass", finals_nice=0,
+                      **{"worker_capacity": 2, **settings})
     worker = Worker(config, HeldTwoPass(config, backend=torch_backend), client,
                     finals_process=False)  # the hook holds finals in this process
     worker.bus.ensure_group()

@@ -211,4 +211,4 @@ def test_an_engine_failure_ends_only_its_session_with_an_internal_error(fresh_re
     model.explode = False
     write_session(bus, "good", read_pcm("weather"))
     rounds_until(worker, lambda: ended(client, "good"), timeout=20)
-    assert final_text(client, "good") == direct_decode(read_pcm("weather"))
+    assert final_text(client, "good") == direct_decode(read_pcm("weather"), "pocketsphinx")

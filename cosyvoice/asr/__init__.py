@@ -51,35 +51,46 @@ WHISPER_BACKENDS = ("torch", "ctranslate2")
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine and what it declares: where its model comes from, the session modes it
-    offers (auth ``mode``; the first is the default), the setting that holds a worker
-    process's capacity for it, and whether its finals are decoded by the worker's finals
+    offers (auth ``mode``; the first is the default), the sessions a worker process
+    decodes at once within the latency targets on the reference host (2 cores, measured:
+    docs/engines.md, "Capacity"), and whether its finals are decoded by the worker's finals
     stage (the model has ``transcribe``; cosyvoice/finals.py)."""
     name: str
     factory: str  # "module:callable", called with (settings, default_mode)
     modes: tuple[str, ...]
-    capacity_setting: str = "worker_capacity"
+    capacity: int
+    # CPU seconds per audio second of one real-time session on the reference host, as
+    # cosyvoice/asr/calibrate.py measures it: another host scales ``capacity`` by it.
+    reference_cost: float
     finals_stage: bool = False
     summary: str = ""
 
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
-    EngineSpec("pocketsphinx", "pocketsphinx_engine:PocketSphinxModel", ("pocketsphinx",),
-               summary="PocketSphinx partials and finals (low cost, least accurate)"),
-    EngineSpec("whisper-live", "live_engine:LiveModel", ("whisper-live",),
-               capacity_setting="live_worker_capacity",
+    EngineSpec("whisper-live", "live_engine:LiveModel", ("whisper-live",), capacity=4,
+               reference_cost=0.1,
                summary="Whisper tiny.en re-decoded as speech arrives, finals at endpoints"),
+    EngineSpec("pocketsphinx", "pocketsphinx_engine:PocketSphinxModel", ("pocketsphinx",),
+               capacity=6, reference_cost=0.1,
+               summary="PocketSphinx partials and finals (low cost, least accurate)"),
     EngineSpec("2pass", "whisper_engine:TwoPassModel", ("2pass", "pocketsphinx", "whisper"),
-               capacity_setting="whisper_worker_capacity", finals_stage=True,
+               capacity=1, reference_cost=0.5, finals_stage=True,
                summary="PocketSphinx partials, Whisper base finals"),
     EngineSpec("whisper", "whisper_engine:TwoPassModel", ("whisper", "2pass", "pocketsphinx"),
-               capacity_setting="whisper_worker_capacity", finals_stage=True,
+               capacity=1, reference_cost=0.5, finals_stage=True,
                summary="Whisper base finals only, no partials"),
-    EngineSpec("null", "null_engine:NullModel", ("null",),
+    EngineSpec("null", "null_engine:NullModel", ("null",), capacity=6, reference_cost=0.001,
                summary="no recognition (transport benchmarks only)"),
 )}
 # Every session mode some engine offers.
 SESSION_MODES = tuple(dict.fromkeys(m for spec in ENGINES.values() for m in spec.modes
                                     if m != "null"))
+
+
+def capacity_of(settings) -> int:
+    """Sessions one worker process decodes at once: ``COSYVOICE_WORKER_CAPACITY``, or the
+    engine's own when that is 0."""
+    return settings.worker_capacity or ENGINES[settings.engine].capacity
 
 
 def load_model(engine: str, settings) -> Model:

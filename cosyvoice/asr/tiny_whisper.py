@@ -218,13 +218,18 @@ class TinyWhisper:
         alignment = aligned[0] if aligned else []
         # punctuation joins its word, as faster-whisper's word_timestamps do
         merge_punctuations(alignment, PREPEND_PUNCTUATION, APPEND_PUNCTUATION)
-        words = []
+        words: list[dict] = []
         for w in alignment:
             text = w["word"].strip()
             if not text:
                 continue
-            words.append({"word": text,
-                          "start": round(max(0.0, float(w["start"]) - PAD_S), 3),
-                          "end": round(max(0.0, float(w["end"]) - PAD_S), 3),
-                          "conf": round(float(w["probability"]), 3)})
+            start = round(max(0.0, float(w["start"]) - PAD_S), 3)
+            end = round(max(0.0, float(w["end"]) - PAD_S), 3)
+            conf = round(float(w["probability"]), 3)
+            if words and not w["word"].startswith(" "):
+                # a piece of the word before ("o" + "'clock"): the text has no space here
+                prev = words[-1]
+                prev.update(word=prev["word"] + text, end=end, conf=min(prev["conf"], conf))
+                continue
+            words.append({"word": text, "start": start, "end": end, "conf": conf})
         return words
