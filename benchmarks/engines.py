@@ -22,6 +22,8 @@ For each engine in ``--engines`` (default: pocketsphinx, whisper-live, 2pass):
 
   A level meets the targets when final P95 < 800 ms and partial P95 < 1500 ms with no
   error; the engine's capacity is the largest level that does.
+* **One session.** ``last`` → final with one session at a time, each fixture streamed in
+  real time with nothing after its speech (the final waits for no endpoint).
 
     python benchmarks/engines.py [--engines pocketsphinx,whisper-live,2pass]
         [--levels whisper-live=4,8,12,16] [--workers 2] [--seconds 40] [--json-out F]
@@ -178,6 +180,32 @@ class Client(threading.Thread):
             self.last_ms.append(max(0.0, finals[-1] - c.sent_at[last_seq]) * 1000)
 
 
+def one_session(label: str, workers: int) -> dict:
+    """``last`` → final for one session at a time: each sentence fixture streamed in real
+    time with nothing after its speech, from the send of ``last`` to its final."""
+    engine, overrides = variant(label)
+    env = {"COSYVOICE_ENGINE": engine,
+           **{f"COSYVOICE_{k.upper()}": v for k, v in overrides.items()}}
+    out: list[float] = []
+    with Stack(processes=workers, env=env) as stack:
+        for group in groups().values():
+            for name in sorted(group):
+                c = StreamingClient(stack.url)
+                try:
+                    c.connect()
+                    c.stream_pcm(read_fixture(name), 16000, pace="realtime")
+                    c.wait_end(30)
+                    last = max(c.sent_at)
+                    finals = [t for t, e, d in c.result.events
+                              if e == "text" and d["type"] == "final"]
+                    if finals:
+                        out.append(max(0.0, finals[-1] - c.sent_at[last]) * 1000)
+                    c.stop()
+                finally:
+                    c.close()
+    return _dist(out)
+
+
 def _dist(values: list[float]) -> dict:
     if not values:
         return {"n": 0}
@@ -240,7 +268,10 @@ def main() -> None:
     for engine in args.engines.split(","):
         entry: dict[str, Any] = {"direct": direct(engine), "levels": []}
         report["engines"][engine] = entry
-        print(json.dumps({engine: entry["direct"]}), file=sys.stderr, flush=True)
+        entry["one_session_last_to_final_ms"] = one_session(engine, args.workers)
+        print(json.dumps({engine: entry["direct"],
+                          "one_session_last_to_final_ms": entry["one_session_last_to_final_ms"]}),
+              file=sys.stderr, flush=True)
         levels = levels_of.get(engine) or levels_of[variant(engine)[0]]
         for n in (int(x) for x in levels.split(",")):
             level = run_level(engine, n, args.workers, args.seconds)
@@ -264,7 +295,9 @@ def main() -> None:
                   f"| {last.get('p50')} / {last.get('p95')} | {lv['cpu_per_session']} "
                   f"| {'yes' if lv['meets'] else 'no'} |")
     for engine, entry in report["engines"].items():
-        print(f"{engine}: largest level meeting the targets: {entry['capacity_sessions']}")
+        one = entry["one_session_last_to_final_ms"]
+        print(f"{engine}: largest level meeting the targets: {entry['capacity_sessions']}; "
+              f"one session alone, last → final P50 {one.get('p50')} / P95 {one.get('p95')} ms")
     if args.json_out:
         with open(args.json_out, "w") as out:
             json.dump(report, out, indent=2)

@@ -67,17 +67,17 @@ class EngineSpec:
 
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
-    EngineSpec("whisper-live", "live_engine:LiveModel", ("whisper-live",), capacity=4,
-               reference_cost=0.1,
+    EngineSpec("whisper-live", "live_engine:LiveModel", ("whisper-live",), capacity=5,
+               reference_cost=0.075,
                summary="Whisper tiny.en re-decoded as speech arrives, finals at endpoints"),
     EngineSpec("pocketsphinx", "pocketsphinx_engine:PocketSphinxModel", ("pocketsphinx",),
-               capacity=6, reference_cost=0.1,
+               capacity=6, reference_cost=0.094,
                summary="PocketSphinx partials and finals (low cost, least accurate)"),
     EngineSpec("2pass", "whisper_engine:TwoPassModel", ("2pass", "pocketsphinx", "whisper"),
-               capacity=1, reference_cost=0.5, finals_stage=True,
+               capacity=1, reference_cost=0.184, finals_stage=True,
                summary="PocketSphinx partials, Whisper base finals"),
     EngineSpec("whisper", "whisper_engine:TwoPassModel", ("whisper", "2pass", "pocketsphinx"),
-               capacity=1, reference_cost=0.5, finals_stage=True,
+               capacity=1, reference_cost=0.184, finals_stage=True,
                summary="Whisper base finals only, no partials"),
     EngineSpec("null", "null_engine:NullModel", ("null",), capacity=6, reference_cost=0.001,
                summary="no recognition (transport benchmarks only)"),

@@ -238,6 +238,8 @@ class CT2Whisper:
 
     def load(self):
         if self._model is None:
+            from .tiny_whisper import limit_threads
+            limit_threads(self.threads)
             from faster_whisper import WhisperModel
             self._model = WhisperModel(self.model_dir, device=self.device,
                                        compute_type=self.compute_type,
