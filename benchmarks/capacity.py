@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.stack import Stack, fixture_names, percentile, read_fixture  # noqa: E402
+from benchmarks.stack import POCKETSPHINX, Stack, fixture_names, percentile, read_fixture  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
 from cosyvoice.audio import split_chunks  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
@@ -132,7 +132,8 @@ class Client(threading.Thread):
 
 def run_level(capacity: int, workers: int, seconds: float) -> dict:
     sessions = capacity * workers
-    env = {"COSYVOICE_WORKER_CAPACITY": str(capacity), "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
+    env = {**POCKETSPHINX, "COSYVOICE_WORKER_CAPACITY": str(capacity),
+           "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
     with Stack(processes=workers, env=env) as stack:
         meter = CpuMeter({"gateway": stack.gateway.proc.pid, "workers": stack.pool.proc.pid,
                           "redis": stack.redis_pid})

@@ -49,11 +49,18 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.stack import FIXTURES, Stack, percentile, read_fixture  # noqa: E402
+from benchmarks.stack import Stack, percentile, read_fixture  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
 from cosyvoice.audio import split_chunks  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
-from tests.helpers import corpus_wer  # noqa: E402
+from cosyvoice.finals import next_prompt  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    corpus_wer,
+    finals,
+    fixture_texts,
+    harvard_texts,
+    run_stream,
+)
 
 FINAL_P95_TARGET_MS = 800.0
 PARTIAL_P95_TARGET_MS = 1500.0
@@ -63,30 +70,20 @@ DEFAULT_LEVELS = {"pocketsphinx": "4,8,12,16", "whisper-live": "4,8,12,16", "2pa
 
 
 def groups() -> dict[str, dict[str, str]]:
-    def tsv(name: str) -> dict[str, str]:
-        lines = (FIXTURES / name).read_text().splitlines()
-        return dict(line.split("\t", 1) for line in lines if line.strip())
-    return {"sentences": tsv("sentences.tsv"), "harvard": tsv("harvard.tsv")}
+    return {"sentences": fixture_texts(), "harvard": harvard_texts()}
 
 
 # ---- direct decode ----------------------------------------------------------------------
 
 
 def _decode(model, pcm: bytes) -> str:
-    stream = model.stream(16000)
-    results: list[dict] = []
-    for chunk in split_chunks(pcm, 16000):
-        results += stream.feed(chunk)
-    results += stream.flush()
-    stream.close()
     texts: list[str] = []
-    for r in results:
-        if r["type"] != "final":
-            continue
-        if "audio" in r:  # 2-pass: the final the finals process would decode
-            texts.append(model.transcribe(r["audio"], " ".join(texts)[-200:]))
-        else:
-            texts.append(r["text"])
+    prompt = ""
+    for r in finals(run_stream(model, pcm)[0]):
+        # 2-pass: the final the finals process would decode, after the text before it
+        text = model.transcribe(r["audio"], prompt) if "audio" in r else r["text"]
+        prompt = next_prompt(prompt, text)
+        texts.append(text)
     return " ".join(t for t in texts if t)
 
 
@@ -98,15 +95,12 @@ def variant(label: str) -> tuple[str, dict[str, str]]:
 
 
 def direct(label: str) -> dict:
-    from cosyvoice.asr import load_model
+    from cosyvoice.asr.calibrate import load_here
     from cosyvoice.settings import Settings
 
     engine, overrides = variant(label)
     env = {f"COSYVOICE_{k.upper()}": v for k, v in overrides.items()}
-    model = load_model(engine, Settings.from_env(env, engine=engine))
-    getattr(model, "after_fork", lambda: None)()
-    if hasattr(model, "load_finals_decoder"):
-        model.load_finals_decoder()
+    model = load_here(Settings.from_env(env, engine=engine))
     _decode(model, read_fixture("weather"))  # warm up
     out: dict[str, Any] = {}
     cpu = audio = 0.0

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.stack import Stack, fixture_names, percentile, read_fixture  # noqa: E402
+from benchmarks.stack import POCKETSPHINX, Stack, fixture_names, percentile, read_fixture  # noqa: E402
 from cosyvoice import bus as busmod  # noqa: E402
 from cosyvoice.client import StreamingClient, TranscribeError  # noqa: E402
 
@@ -103,7 +103,7 @@ def main() -> None:
                     help="clients that keep asking for sessions while `capacity` run")
     args = ap.parse_args()
     report: dict[str, dict[str, object]] = {}
-    with Stack(processes=args.workers) as stack:
+    with Stack(processes=args.workers, env=POCKETSPHINX) as stack:
         # warm-up
         last_to_final(stack.url, 1)
         lf = last_to_final(stack.url, args.utterances)

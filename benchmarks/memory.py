@@ -24,7 +24,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.stack import Stack, fixture_names, read_fixture  # noqa: E402
+from benchmarks.stack import POCKETSPHINX, Stack, fixture_names, read_fixture  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def load_and_measure(stack: Stack, pools: list[subprocess.Popen], sessions: int)
 def main() -> None:
     report = {}
     # 4 sessions per process, the capacity this comparison was first measured at.
-    env = {"COSYVOICE_WORKER_CAPACITY": "4"}
+    env = {**POCKETSPHINX, "COSYVOICE_WORKER_CAPACITY": "4"}
     with Stack(processes=2, env=env) as stack:
         report["shared"] = load_and_measure(stack, [stack.pool.proc], 8)
     with Stack(processes=1, env=env) as stack:

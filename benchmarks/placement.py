@@ -44,7 +44,7 @@ import redis as redislib
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.capacity import GAP, Client, _dist  # noqa: E402
-from benchmarks.stack import ROOT, Stack  # noqa: E402
+from benchmarks.stack import POCKETSPHINX, ROOT, Stack  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
 from cosyvoice import bus as busmod  # noqa: E402
 from tests import launcher  # noqa: E402
@@ -74,7 +74,7 @@ class PlacementSampler(threading.Thread):
 
 def run_level(sessions: int, workers: int, seconds: float, root: Path,
               tail: str = "none") -> dict:
-    env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
+    env = {**POCKETSPHINX, "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
     with Stack(processes=workers, env=env, root=root) as stack:
         meter = CpuMeter({"gateway": stack.gateway.proc.pid, "workers": stack.pool.proc.pid,
                           "redis": stack.redis_pid})

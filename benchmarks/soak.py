@@ -21,7 +21,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.stack import Stack, fixture_names, read_fixture  # noqa: E402
+from benchmarks.stack import POCKETSPHINX, Stack, fixture_names, read_fixture  # noqa: E402
 from cosyvoice.client import StreamingClient, TranscribeError  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     counts = {"finished": 0, "errors": 0}
     lock = threading.Lock()
 
-    with Stack(processes=2, env={"COSYVOICE_SESSION_GRACE_S": "5"}) as stack:
+    with Stack(processes=2, env={**POCKETSPHINX, "COSYVOICE_SESSION_GRACE_S": "5"}) as stack:
         def loop(k: int) -> None:
             i = k
             while time.monotonic() < stop_at:

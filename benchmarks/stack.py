@@ -25,6 +25,12 @@ PLACED = ("COSYVOICE_REDIS_URL", "COSYVOICE_HOST", "COSYVOICE_PORT",
           "COSYVOICE_GATEWAY_PROCESSES", "COSYVOICE_WORKERS", "COSYVOICE_WORKER_METRICS_PORT")
 
 
+# The engine of the benchmarks whose figures were measured with PocketSphinx (capacity,
+# latency, memory, placement, soak): whisper-live became the default after them, and
+# benchmarks/engines.py measures the engines side by side.
+POCKETSPHINX = {"COSYVOICE_ENGINE": "pocketsphinx"}
+
+
 def read_fixture(name: str) -> bytes:
     with wave.open(str(FIXTURES / f"{name}.wav"), "rb") as w:
         return w.readframes(w.getnframes())

@@ -21,20 +21,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.stack import FIXTURES, read_fixture  # noqa: E402
+from benchmarks.stack import read_fixture  # noqa: E402
 from cosyvoice.asr.endpointer import Endpointer, SileroVad, silero_session  # noqa: E402
 from cosyvoice.settings import Settings  # noqa: E402
+from tests.helpers import fixture_texts, harvard_texts  # noqa: E402
 
 SILENCE_1S = b"\x00\x00" * 16000
 
 
 def cases() -> list[tuple[str, bytes, int]]:
-    out = []
-    for tsv in ("sentences.tsv", "harvard.tsv"):
-        for line in (FIXTURES / tsv).read_text().splitlines():
-            if line.strip():
-                name = line.split("\t")[0]
-                out.append((name, read_fixture(name) + SILENCE_1S, 1))
+    out = [(name, read_fixture(name) + SILENCE_1S, 1)
+           for name in [*fixture_texts(), *harvard_texts()]]
     out.append(("two_utterances", read_fixture("two_utterances") + SILENCE_1S, 2))
     out += [(n, read_fixture(n), 0) for n in ("silence", "noise", "tone")]
     return out

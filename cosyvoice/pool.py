@@ -38,7 +38,7 @@ def _run_child(settings: Settings, model: Model) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     log.info("worker %s ready (engine %s, capacity %d)", worker.id, model.name,
-             settings.worker_capacity)
+             worker.capacity)
     debug_mem.start("worker")
     worker.run()
     return 0
@@ -65,10 +65,8 @@ def run_pool(settings: Settings, processes: int) -> int:
     Decoders are created here, before fork, so their model pages are shared between the
     worker processes. The first SIGTERM drains every worker; a second one kills them.
     """
-    # Each engine's sessions cost what they cost: admission counts them with its capacity.
-    settings = settings.replace(worker_capacity=capacity_of(settings))
     model = load_model(settings.engine, settings)
-    model.preload(settings.worker_capacity)
+    model.preload(capacity_of(settings))  # each worker admits the engine's capacity
     children: dict[int, int] = {}
     state = {"stopping": 0}
 

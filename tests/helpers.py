@@ -32,10 +32,19 @@ TEST_GRACE_S = 2.0
 TEST_ENV = {"COSYVOICE_SESSION_GRACE_S": str(TEST_GRACE_S)}
 
 
+def _tsv(name: str) -> dict[str, str]:
+    lines = (FIXTURES / name).read_text().splitlines()
+    return dict(line.split("\t", 1) for line in lines if line.strip())
+
+
 def fixture_texts() -> dict[str, str]:
     """name -> reference text of every single-sentence fixture."""
-    lines = (FIXTURES / "sentences.tsv").read_text().splitlines()
-    return dict(line.split("\t", 1) for line in lines if line.strip())
+    return _tsv("sentences.tsv")
+
+
+def harvard_texts() -> dict[str, str]:
+    """name -> reference text of the Harvard sentence fixtures (harder for PocketSphinx)."""
+    return _tsv("harvard.tsv")
 
 
 def read_pcm(name: str) -> bytes:

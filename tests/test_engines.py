@@ -22,14 +22,14 @@ from .helpers import (
     corpus_wer,
     finals,
     fixture_texts,
+    harvard_texts,
     read_pcm,
     run_stream,
     wer,
 )
 
 CONTRACT_ENGINES = sorted(name for name, spec in ENGINES.items() if not spec.finals_stage)
-HARVARD = dict(line.split("\t", 1) for line in
-               (FIXTURES / "harvard.tsv").read_text().splitlines() if line.strip())
+HARVARD = harvard_texts()
 
 
 def fixture(name: str) -> bytes:

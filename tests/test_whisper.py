@@ -27,6 +27,7 @@ from .helpers import (
     TEST_ENV,
     corpus_wer,
     fixture_texts,
+    harvard_texts,
     read_pcm,
     results,
     rounds_until,
@@ -36,8 +37,7 @@ from .helpers import (
 from .launcher import wait_for
 
 SENTENCES = fixture_texts()
-HARVARD = dict(line.split("\t", 1) for line in
-               (FIXTURES / "harvard.tsv").read_text().splitlines() if line.strip())
+HARVARD = harvard_texts()
 TEXTS = {**SENTENCES, **HARVARD}
 
 

@@ -63,24 +63,18 @@ class EngineSpec:
     # cosyvoice/asr/calibrate.py measures it: another host scales ``capacity`` by it.
     reference_cost: float
     finals_stage: bool = False
-    summary: str = ""
 
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("whisper-live", "live_engine:LiveModel", ("whisper-live",), capacity=5,
-               reference_cost=0.075,
-               summary="Whisper tiny.en re-decoded as speech arrives, finals at endpoints"),
+               reference_cost=0.075),
     EngineSpec("pocketsphinx", "pocketsphinx_engine:PocketSphinxModel", ("pocketsphinx",),
-               capacity=6, reference_cost=0.094,
-               summary="PocketSphinx partials and finals (low cost, least accurate)"),
+               capacity=6, reference_cost=0.094),
     EngineSpec("2pass", "whisper_engine:TwoPassModel", ("2pass", "pocketsphinx", "whisper"),
-               capacity=1, reference_cost=0.184, finals_stage=True,
-               summary="PocketSphinx partials, Whisper base finals"),
+               capacity=1, reference_cost=0.184, finals_stage=True),
     EngineSpec("whisper", "whisper_engine:TwoPassModel", ("whisper", "2pass", "pocketsphinx"),
-               capacity=1, reference_cost=0.184, finals_stage=True,
-               summary="Whisper base finals only, no partials"),
-    EngineSpec("null", "null_engine:NullModel", ("null",), capacity=6, reference_cost=0.001,
-               summary="no recognition (transport benchmarks only)"),
+               capacity=1, reference_cost=0.184, finals_stage=True),
+    EngineSpec("null", "null_engine:NullModel", ("null",), capacity=6, reference_cost=0.001),
 )}
 # Every session mode some engine offers.
 SESSION_MODES = tuple(dict.fromkeys(m for spec in ENGINES.values() for m in spec.modes

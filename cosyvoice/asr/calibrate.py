@@ -82,11 +82,17 @@ def session_cost(model, pcm: bytes, passes: int = PASSES) -> float:
     return cpu / (passes * len(pcm) / 32000)
 
 
-def calibrate(settings) -> Calibration:
-    spec = ENGINES[settings.engine]
+def load_here(settings):
+    """The engine's model, ready to decode in this process (as a worker process's is)."""
     model = load_model(settings.engine, settings)
     getattr(model, "after_fork", lambda: None)()
     getattr(model, "load_finals_decoder", lambda: None)()
+    return model
+
+
+def calibrate(settings) -> Calibration:
+    spec = ENGINES[settings.engine]
+    model = load_here(settings)
     pcm = calibration_audio()
     session_cost(model, pcm, passes=1)  # warm up: first decodes allocate
     cost = max(session_cost(model, pcm), 1e-6)

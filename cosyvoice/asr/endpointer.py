@@ -13,6 +13,7 @@ cleanly, hands the window over at the start and every later frame at once.
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from typing import Any, Protocol
 
@@ -65,8 +66,6 @@ class SileroVad:
 
 def silero_session():
     """One Silero VAD model (ONNX Runtime, one thread) for the calling process."""
-    import os
-
     from faster_whisper.utils import get_assets_path
     from faster_whisper.vad import SileroVADModel
 

