@@ -52,8 +52,9 @@ MAX_CLIP_S = FULL_WINDOW_S - 2 * PAD_S - WINDOW_MARGIN_S
 PAUSE_FRAMES = 3
 # Shortest open utterance worth a partial.
 MIN_PARTIAL_S = 0.5
-# Partials are decoded in a shorter encoder window than finals (a third of the cost); a
-# degenerate partial is dropped instead of decoded again (docs/engines.md).
+# Partials are decoded in a shorter encoder window than finals (the encoder costs about
+# half as much at 10 s as at 15 s); a degenerate partial is dropped instead of decoded
+# again (docs/engines.md).
 PARTIAL_WINDOW_FLOOR_S = 10.0
 
 
