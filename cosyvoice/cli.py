@@ -171,7 +171,7 @@ def cmd_model(settings: Settings, source: str | None, force: bool) -> int:
     if source and not Path(source).is_file():
         raise CliError(EXIT_INPUT, f"cannot read {source}: no such file")
     try:
-        device = model_data.resolve_device(settings.whisper_device)
+        device = model_data.resolve_device(settings.device)
         path = model_data.convert(settings.model_dir or None, source=source, device=device,
                                   force=force)
         ct2 = model_data.install_ct2(settings.model_dir or None)

@@ -37,7 +37,7 @@ import queue
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 log = logging.getLogger("cosyvoice.worker")
 
@@ -74,18 +74,29 @@ class Job:
     audio: bytes
     done: bool = False
     failed: bool = False
-    prompt_after: str = ""  # the context once this final is decoded
+    after: dict = field(default_factory=dict)  # checkpoint fields once it is decoded
+
+
+class Deferred(Protocol):
+    """A decode handed over and not waited for: a finals-stage ``Job`` (it fills in its
+    result dict in place), or a whisper-live ``DecodeJob`` (cosyvoice/asr/scheduler.py;
+    the result dict refers to it as ``job``, and it is read when done). ``after``: what
+    the checkpoint stored with its entry says once it is decoded (the session's prompt)."""
+    done: bool
+    failed: bool
+    after: dict
 
 
 @dataclass
 class Pending:
-    """What an audio entry publishes in order: its finals (and ``end``), with the checkpoint
-    of that entry. Ready when every final job it holds is done."""
+    """What an audio entry publishes in order: its deferred results (finals, and partials
+    of a decode scheduler) and what follows them (``end``), with the checkpoint of that
+    entry. Ready when every job it holds is done."""
     entry_id: str
     results: list[dict]
     checkpoint: dict | None
     done: bool
-    jobs: list[Job] = field(default_factory=list)
+    jobs: list[Deferred] = field(default_factory=list)
 
     def ready(self) -> bool:
         return all(j.done for j in self.jobs)
@@ -93,11 +104,24 @@ class Pending:
     def failed(self) -> bool:
         return any(j.failed for j in self.jobs)
 
+    def publishable(self) -> list[dict]:
+        """The results as decoded: a scheduler job's text and words, or nothing where it
+        was dropped (no speech, a partial overtaken)."""
+        out = []
+        for r in self.results:
+            job = r.get("job")
+            if job is None:
+                out.append(r)
+            elif not job.dropped:
+                out.append({**{k: v for k, v in r.items() if k != "job"}, **job.result})
+        return out
+
     def final_checkpoint(self) -> dict | None:
-        """The stored checkpoint: the entry's, with the context after its last final."""
-        if self.checkpoint is None or not self.jobs or self.checkpoint.get("done"):
+        """The stored checkpoint: the entry's, with what its last decoded final says."""
+        if self.checkpoint is None or self.checkpoint.get("done"):
             return self.checkpoint
-        return {**self.checkpoint, "prompt": self.jobs[-1].prompt_after}
+        after = [j.after for j in self.jobs if j.after]
+        return {**self.checkpoint, **after[-1]} if after else self.checkpoint
 
 
 class FinalProcess:
@@ -244,5 +268,5 @@ class FinalsStage:
             text = ""
         job.result["text"] = text
         ctx.prompt = next_prompt(ctx.prompt, text)
-        job.prompt_after = ctx.prompt
+        job.after = {"prompt": ctx.prompt}
         job.done = True

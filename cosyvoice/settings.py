@@ -73,6 +73,11 @@ class Settings:
     # Threads each worker process gives Whisper: decoding runs one session at a time per
     # process, and the processes already use every core.
     whisper_threads: int = 1
+    # whisper-live: the most partial re-decodes the worker process's decode scheduler runs
+    # as one batch (cosyvoice/asr/scheduler.py; finals first, partials coalesced). 0: no
+    # scheduler, each session decodes in the worker's loop, one after the other (the
+    # unbatched baseline of benchmarks/batching.py; docs/engines.md, "Decode scheduler").
+    decode_batch: int = 4
     # torch backend on the CPU: bf16 arithmetic inside fp32 matrix products where the CPU
     # has bf16 instructions (weights stay fp32 and shared); 32 % less CPU per final.
     whisper_cpu_bf16: bool = True
@@ -89,8 +94,13 @@ class Settings:
     # finals are decoded beside the partials, at this lower CPU priority, so a busy
     # machine gives the partials the CPU first. 0 decodes them at the loop's priority.
     finals_nice: int = 5
-    # "cpu" or "cuda"; empty picks CUDA when torch sees a GPU.
-    whisper_device: str = ""
+    # Where the neural engines decode: "cpu", "cuda", or "auto" (CUDA where a GPU is
+    # visible: CTranslate2's device count, torch's for the torch backend). Whisper-live,
+    # both 2-pass backends and `--calibrate` follow it (docs/engines.md, "Devices").
+    device: str = "auto"
+    # CTranslate2 compute type (whisper-live, the ctranslate2 2-pass backend): "auto" is
+    # int8 on the CPU and int8_float16 on CUDA; any type CTranslate2 offers on the device.
+    compute_type: str = "auto"
     # An official openai-whisper checkpoint to use instead of the bundled model data.
     whisper_checkpoint: str = ""
     # Where converted model files are cached; empty means ~/.cache/cosyvoice/models
@@ -243,7 +253,10 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "live_pause_cut_s": _more_than(0),
     "whisper_backend": _one_of(*WHISPER_BACKENDS),
     "whisper_threads": _at_least(1),
-    "whisper_device": _one_of("", "cpu", "cuda"),
+    "device": _one_of("auto", "cpu", "cuda"),
+    "compute_type": _one_of("auto", "int8", "int8_float32", "int8_float16", "int8_bfloat16",
+                            "int16", "float16", "bfloat16", "float32"),
+    "decode_batch": _at_least(0),
     "finals_nice": ((lambda v: 0 <= v <= 19), "a niceness from 0 to 19"),
     "whisper_window_floor_s": ((lambda v: v == 0 or 1 <= v <= 30), "0, or seconds from 1 to 30"),
     "session_grace_s": _at_least(0),

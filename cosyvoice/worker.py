@@ -119,6 +119,11 @@ class Worker:
         self.finals = (finals.FinalsStage(transcribe, settings.finals_nice, finals_process,
                                           getattr(model, "load_finals_decoder", None))
                        if transcribe is not None else None)
+        # whisper-live: the process's decode scheduler (cosyvoice/asr/scheduler.py); the
+        # loop hands it every decode and publishes the results as they are done
+        start = getattr(model, "start_scheduler", None)
+        self.scheduler = (start(settings.decode_batch)
+                          if start is not None and settings.decode_batch > 0 else None)
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -187,15 +192,17 @@ class Worker:
     def _hand_over(self) -> None:
         """Publish the finals in hand, then release every session so another worker
         continues it from its checkpoint."""
-        if self.finals is not None:
+        stage = self.finals or self.scheduler
+        if stage is not None:
             deadline = time.monotonic() + HANDOVER_FINALS_S
             try:  # the leases stay fresh meanwhile: nobody else decodes these sessions
                 while self._publish_finals() and time.monotonic() < deadline:
                     self._renew_if_due()
-                    self.finals.wait_idle(0.1)
+                    stage.wait_idle(0.1)
             except redis.RedisError as exc:
                 log.warning("could not publish the finals in hand: %s", exc)
-            self.finals.stop()
+            if self.finals is not None:
+                self.finals.stop()
         for sid in list(self.sessions):
             s = self.sessions.pop(sid)
             self._drop(s)
@@ -311,16 +318,19 @@ class Worker:
         """Publish an entry's results, or queue its finals for the finals stage (the
         partials go out at once). False when the session no longer exists."""
         jobs = [finals.Job(s.context, r, r.pop("audio")) for r in results if "audio" in r]
-        if not jobs and not s.pending:
+        # results the decode scheduler has yet to decode: they keep their order with the rest
+        scheduled: list[finals.Deferred] = [r["job"] for r in results if "job" in r]
+        if not jobs and not scheduled and not s.pending:
             metrics.observe_decode_lag(entry_id, results)
             return self.bus.publish_results(s.sid, results, self.settings.result_ttl_s,
                                             checkpoint, done=last)
         stage = self.finals
         if jobs and stage is None:
             raise RuntimeError("a deferred final needs a model with transcribe()")
-        now, ordered = split_ordered(results)
+        now, ordered = ([], results) if scheduled else split_ordered(results)
         if ordered or checkpoint is not None:
-            s.pending.append(finals.Pending(entry_id, ordered, checkpoint, last, jobs))
+            s.pending.append(finals.Pending(entry_id, ordered, checkpoint, last,
+                                            [*jobs, *scheduled]))
         if stage is not None:
             for job in jobs:
                 stage.submit(job)
@@ -337,8 +347,9 @@ class Worker:
                 if item.failed():
                     self._fail(s, "decoding a final failed")
                     break
-                metrics.observe_decode_lag(item.entry_id, item.results)
-                alive = self.bus.publish_results(s.sid, item.results,
+                results = item.publishable()
+                metrics.observe_decode_lag(item.entry_id, results)
+                alive = self.bus.publish_results(s.sid, results,
                                                  self.settings.result_ttl_s,
                                                  item.final_checkpoint(), done=item.done)
                 if not alive or item.done:

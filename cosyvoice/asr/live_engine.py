@@ -24,6 +24,13 @@ speech arrives.
 - **Nothing from no speech**: the VAD first, then Whisper's own no-speech rule and text
   without a letter or digit (Whisper writes "." on silence) give no final.
 
+Decodes go through the model's runner: in the caller's thread (``Inline``: tests, direct
+decodes, ``COSYVOICE_DECODE_BATCH=0``), or the worker process's decode scheduler
+(``scheduler.py``: finals first, partials coalesced and batched), in which case ``feed``
+returns each partial and final undecoded with its ``job`` and the worker publishes it once
+done. The session state decodes change (prompt, utterance count, the last partial's words)
+lives in a ``StreamState`` that only the runner touches.
+
 Checkpoint: after each final the front end (VAD, endpointer, resampler, frame buffer) is
 reset at the chunk boundary, as in the PocketSphinx engine; the checkpoint is that reset
 point, the prompt, and the last ``endpoint_preroll_s`` of audio before it (the next
@@ -42,7 +49,15 @@ from typing import Any, Callable
 from ..finals import next_prompt
 from .endpointer import Endpointer, SileroVad, silero_session
 from .resample import ModelRateInput
-from .tiny_whisper import FULL_WINDOW_S, PAD_S, WINDOW_MARGIN_S, TinyWhisper, model_dir
+from .scheduler import DecodeJob, DecodeScheduler, Inline, StreamState
+from .tiny_whisper import (
+    FULL_WINDOW_S,
+    PAD_S,
+    WINDOW_MARGIN_S,
+    Decoded,
+    TinyWhisper,
+    model_dir,
+)
 
 ENGINE = "whisper-live"
 MODEL_RATE = 16000
@@ -73,16 +88,25 @@ def agreed_prefix(a: list[str], b: list[str]) -> int:
 
 
 class LiveModel:
-    """The tiny.en decoder of one worker process: verified before the fork, loaded after."""
+    """The tiny.en decoder of one worker process: verified before the fork, loaded after.
+
+    Decodes run where they are asked for (``Inline``) until ``start_scheduler`` gives the
+    process its decode scheduler (cosyvoice/asr/scheduler.py); from then on a stream's
+    results come back undecoded, with a ``job`` the worker polls.
+    """
 
     name = ENGINE
 
     def __init__(self, settings, decoder: TinyWhisper | None = None):
         self.settings = settings
-        self.decoder = decoder or TinyWhisper(model_dir(), threads=settings.whisper_threads)
+        self.decoder = decoder or TinyWhisper(model_dir(), threads=settings.whisper_threads,
+                                              device=settings.device,
+                                              compute_type=settings.compute_type)
         # The clock partials are paced by (tests may replace it).
         self.clock: Callable[[], float] = time.monotonic
         self._vad_session: Any = None
+        self.runner: Inline | DecodeScheduler = Inline(self._decode_final,
+                                                       self._decode_partial)
 
     def preload(self, n: int) -> None:
         pass
@@ -91,6 +115,14 @@ class LiveModel:
         """Load what cannot cross a fork (CTranslate2, ONNX Runtime) in this process."""
         self.decoder.load()
         self.vad_session()
+
+    def start_scheduler(self, max_batch: int) -> DecodeScheduler:
+        """Decode this process's sessions in a scheduler thread from now on."""
+        if not isinstance(self.runner, DecodeScheduler):
+            self.runner = DecodeScheduler(self._decode_final, self._prepare,
+                                          self._decode_partials, max_batch,
+                                          start=self.decoder.load)
+        return self.runner
 
     def vad_session(self) -> Any:
         if self._vad_session is None:
@@ -102,31 +134,88 @@ class LiveModel:
         cp = checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate, "prompt": ""}
         return LiveStream(self, cp)
 
+    # ---- decodes (where the runner runs them) -----------------------------------------
+
+    def _decode_final(self, job: DecodeJob) -> Decoded:
+        return self.decoder.decode(job.pcm, job.prompt, beam_size=self.settings.live_beam_size,
+                                   words=True)
+
+    def _decode_partial(self, job: DecodeJob) -> Decoded:
+        return self.decoder.decode(job.pcm, job.prompt, beam_size=1,
+                                   floor_s=PARTIAL_WINDOW_FLOOR_S, fallback=False)
+
+    def _prepare(self, job: DecodeJob):
+        return self.decoder.clip(job.pcm, PARTIAL_WINDOW_FLOOR_S)
+
+    def _decode_partials(self, jobs: list[DecodeJob], between) -> list[Decoded]:
+        return self.decoder.decode_partials([j.clip for j in jobs], [j.prompt for j in jobs],
+                                            between)
+
+
+def _finish_partial(job: DecodeJob, decoded: Decoded | None) -> None:
+    """A partial's text and ``stable`` prefix, or dropped (no text, no change)."""
+    st = job.state
+    if decoded is None:
+        return
+    words = decoded.text.split()
+    current = job.utterance == st.utterance  # not overtaken by its own final
+    stable = agreed_prefix(st.hyp, words) if current else 0
+    if current:
+        st.hyp = words
+    if not words or (current and decoded.text == st.last_partial):
+        job.dropped = True
+        return
+    if current:
+        st.last_partial = decoded.text
+    job.result.update(text=decoded.text, stable=" ".join(words[:stable]),
+                      utterance=job.utterance)
+
+
+def _finish_final(job: DecodeJob, decoded: Decoded | None) -> None:
+    """A final's text and words; the session's prompt and utterance count move on."""
+    st = job.state
+    if decoded is None:
+        return
+    st.hyp, st.last_partial = [], ""
+    r = job.result
+    if decoded.text:
+        start, end = r["start"], r["end"]
+        words = [{**w, "start": min(round(start + w["start"], 3), end),
+                  "end": min(round(start + w["end"], 3), end)} for w in decoded.words]
+        r.update(text=decoded.text, utterance=st.utterance, words=words)
+        st.prompt = next_prompt(st.prompt, decoded.text)
+        st.utterance += 1
+    else:
+        job.dropped = True
+    job.after = {"prompt": st.prompt, "utterance": st.utterance}
+
 
 class LiveStream:
     def __init__(self, model: LiveModel, cp: dict):
         s = model.settings
         self._model = model
-        self._dec = model.decoder
         self._window = s.endpoint_window_s
         self._ratio = s.endpoint_ratio
         self._preroll = int(s.endpoint_preroll_s * MODEL_RATE)
         self._max_utt = int(min(s.max_utterance_s, MAX_CLIP_S) * MODEL_RATE)
         self._pause_cut = int(s.live_pause_cut_s * MODEL_RATE)
         self._interval = s.live_partial_interval_s
-        self._beam = s.live_beam_size
         # A start is called once most of a window is speech: keep a window and more.
         self._history_bytes = 2 * (self._preroll + int((self._window + 0.2) * MODEL_RATE))
         self._offset = int(cp["offset"])  # model-rate samples received since session start
-        self._utt = int(cp["utterance"])
         self._rate = int(cp["rate"])
-        self._prompt = str(cp.get("prompt", ""))
+        self._state = StreamState(prompt=str(cp.get("prompt", "")),
+                                  utterance=int(cp["utterance"]))
         self._reset_front_end(base64.b64decode(cp.get("preroll", "")))
 
     @property
     def checkpoint(self) -> dict:
-        return {"offset": self._ep_base, "utterance": self._utt, "rate": self._rate,
-                "prompt": self._prompt,
+        """The reset point after the last final. With a scheduler, the prompt and the
+        utterance count are those of the finals decoded so far: a job's ``after`` gives
+        them once its final is done (the worker stores that)."""
+        st = self._state
+        return {"offset": self._ep_base, "utterance": st.utterance, "rate": self._rate,
+                "prompt": st.prompt,
                 "preroll": base64.b64encode(self._carried).decode("ascii")}
 
     def _reset_front_end(self, carried: bytes = b"") -> None:
@@ -147,8 +236,6 @@ class LiveStream:
         self._utt_pcm = bytearray()
         self._partial_at = 0  # utterance samples at the last re-decode
         self._partial_time = float("-inf")
-        self._hyp: list[str] = []
-        self._last_partial = ""
 
     def _seconds(self, samples: int) -> float:
         return round(samples / MODEL_RATE, 3)
@@ -213,17 +300,18 @@ class LiveStream:
                 or now - self._partial_time < self._interval):
             return []
         self._partial_at, self._partial_time = n, now
-        decoded = self._dec.decode(bytes(self._utt_pcm), self._prompt, beam_size=1,
-                                   floor_s=PARTIAL_WINDOW_FLOOR_S, fallback=False)
-        words = decoded.text.split()
-        stable = agreed_prefix(self._hyp, words)
-        self._hyp = words
-        if not words or decoded.text == self._last_partial:
-            return []
-        self._last_partial = decoded.text
-        return [{"type": "partial", "text": decoded.text, "stable": " ".join(words[:stable]),
-                 "utterance": self._utt, "start": self._seconds(self._utt_start),
-                 "end": self._seconds(self._offset)}]
+        result = {"type": "partial", "text": "", "stable": "", "utterance": 0,
+                  "start": self._seconds(self._utt_start), "end": self._seconds(self._offset)}
+        return self._ask(DecodeJob("partial", self._state, bytes(self._utt_pcm), result,
+                                   _finish_partial))
+
+    def _ask(self, job: DecodeJob) -> list[dict]:
+        """Hand a decode to the runner: its result when decoded here and now; otherwise
+        the result to be, with its ``job`` (the worker publishes it once done)."""
+        self._model.runner.submit(job)
+        if not job.done:
+            return [{**job.result, "job": job}]  # the worker reads ``job`` once it is done
+        return [] if job.dropped or job.failed else [job.result]
 
     def _finish_and_reset(self, end_sample: int) -> list[dict]:
         out = self._finish(end_sample)
@@ -235,18 +323,11 @@ class LiveStream:
     def _finish(self, end_sample: int) -> list[dict]:
         """Decode the utterance in progress; its final, if it said anything."""
         self._in_utt = False
-        decoded = self._dec.decode(bytes(self._utt_pcm), self._prompt, beam_size=self._beam,
-                                   words=True)
-        if not decoded.text:
-            return []
-        start, end = self._seconds(self._utt_start), self._seconds(end_sample)
-        words = [{**w, "start": min(round(start + w["start"], 3), end),
-                  "end": min(round(start + w["end"], 3), end)} for w in decoded.words]
-        final = {"type": "final", "text": decoded.text, "utterance": self._utt,
-                 "start": start, "end": end, "words": words, "engine": ENGINE}
-        self._prompt = next_prompt(self._prompt, decoded.text)
-        self._utt += 1
-        return [final]
+        result = {"type": "final", "text": "", "utterance": 0,
+                  "start": self._seconds(self._utt_start), "end": self._seconds(end_sample),
+                  "words": [], "engine": ENGINE}
+        return self._ask(DecodeJob("final", self._state, bytes(self._utt_pcm), result,
+                                   _finish_final))
 
     def flush(self) -> list[dict]:
         """End of stream: decode what is buffered and return the last final."""
@@ -266,4 +347,6 @@ class LiveStream:
         return self._finish_and_reset(end)
 
     def close(self) -> None:
-        pass
+        cancel = getattr(self._model.runner, "cancel", None)
+        if cancel is not None:
+            cancel(self._state)

@@ -324,10 +324,9 @@ def _save_checkpoint(dims: dict, state: dict, target: Path, dtype) -> None:
 
 def resolve_device(requested: str = "") -> str:
     """``requested`` ("cpu", "cuda"), or CUDA when torch sees a GPU, else the CPU."""
-    if requested:
-        return requested
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    from .device import resolve_device as resolve
+
+    return resolve(requested, torch_backend=True)
 
 
 def inference_dtype(device: str):

@@ -29,7 +29,7 @@ import importlib.resources
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -109,6 +109,23 @@ def window_s(duration_s: float, floor_s: float = WINDOW_FLOOR_S) -> float:
 
 
 @dataclass
+class Clip:
+    """Padded audio (float, 16 kHz), its encoder window (s) and its token cap."""
+    audio: np.ndarray
+    window: float
+    cap: int
+
+    @property
+    def frames(self) -> int:
+        return int(round(self.window * FRAMES_PER_S))
+
+    @property
+    def num_frames(self) -> int:
+        """Log-mel frames that hold audio (the rest of the window is zeros)."""
+        return min(self.frames, int(len(self.audio) * FRAMES_PER_S / SAMPLE_RATE))
+
+
+@dataclass
 class Decoded:
     """One decoded clip. Times are seconds from the start of the clip (padding excluded)."""
     text: str
@@ -121,8 +138,8 @@ class Decoded:
 class TinyWhisper:
     """CTranslate2 Whisper tiny.en, loaded lazily in the process that decodes."""
 
-    def __init__(self, path: Path | str, threads: int = 1, compute_type: str = "int8",
-                 device: str = "cpu"):
+    def __init__(self, path: Path | str, threads: int = 1, compute_type: str = "auto",
+                 device: str = "auto"):
         self.path = str(path)
         self.threads = threads
         self.compute_type = compute_type
@@ -133,9 +150,15 @@ class TinyWhisper:
     def load(self) -> None:
         if self._wm is not None:
             return
-        limit_threads(self.threads)
+        limit_threads(self.threads)  # before CTranslate2 is imported
         from faster_whisper import WhisperModel
         from faster_whisper.tokenizer import Tokenizer
+
+        from .device import resolve_compute_type, resolve_device
+
+        # "auto" is resolved here, in the process that decodes, not before the fork
+        self.device = resolve_device(self.device)
+        self.compute_type = resolve_compute_type(self.compute_type, self.device)
 
         wm = WhisperModel(self.path, device=self.device, compute_type=self.compute_type,
                           cpu_threads=self.threads, num_workers=1)
@@ -150,63 +173,112 @@ class TinyWhisper:
         shortest encoder window; a degenerate result is decoded again in the full window
         (``fallback``) or gives no text."""
         self.load()
+        clip = self.clip(pcm, floor_s)
+        head = self._prompt_tokens(prompt)
+        encoded = self._encode([clip])
+        out = self._generate(encoded, [clip], [head], beam_size)[0]
+        if self._degenerate(out, clip):
+            if not fallback:
+                return Decoded("")
+            clip = Clip(clip.audio, FULL_WINDOW_S, FULL_WINDOW_MAX_TOKENS)
+            encoded = self._encode([clip])
+            out = self._generate(encoded, [clip], [head], beam_size)[0]
+        out = _speech_only(out)
+        if words and out.tokens:
+            out.words = self._words(out.tokens, encoded, clip.num_frames)
+        return out
+
+    # ---- the steps of a decode, for the scheduler (cosyvoice/asr/scheduler.py) --------
+
+    def clip(self, pcm: bytes, floor_s: float = WINDOW_FLOOR_S) -> "Clip":
+        """16 kHz PCM, padded, with its encoder window and token cap."""
         audio = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
         pad = np.zeros(int(PAD_S * SAMPLE_RATE), dtype=np.float32)
         audio = np.concatenate([pad, audio, pad])
         duration = len(audio) / SAMPLE_RATE
-        window = window_s(duration, floor_s)
-        cap = token_cap(duration)
-        out = self._decode(audio, window, cap, prompt, beam_size, words)
-        if window < FULL_WINDOW_S and degenerate(_compression_ratio(out.text),
-                                                 len(out.tokens), cap):
-            if not fallback:
-                return Decoded("")
-            out = self._decode(audio, FULL_WINDOW_S, FULL_WINDOW_MAX_TOKENS, prompt,
-                               beam_size, words)
-        silent = out.no_speech_prob > NO_SPEECH_PROB and out.avg_logprob < NO_SPEECH_LOGPROB
-        if silent or not any(c.isalnum() for c in out.text):  # "." on silence
-            return Decoded("", no_speech_prob=out.no_speech_prob, avg_logprob=out.avg_logprob)
-        return out
+        return Clip(audio, window_s(duration, floor_s), token_cap(duration))
 
-    def _prompt_tokens(self, prompt: str) -> list[int]:
+    def decode_partials(self, clips: list["Clip"], prompts: list[str],
+                        between: Callable[[], None] | None = None) -> list[Decoded]:
+        """Greedy decodes of clips that share an encoder window, as one batch: each clip is
+        encoded (on the CPU one at a time: a batch of windows costs more per window there,
+        docs/engines.md), then one ``generate`` runs over all of them. CTranslate2 needs
+        every prompt of a batch to be as long, so each is cut to the shortest (in tokens).
+        A degenerate result is dropped, as a partial's is. ``between`` runs after each
+        step (the scheduler decodes a final there, if one is waiting)."""
+        self.load()
+        assert len({c.window for c in clips}) == 1, "a batch shares one encoder window"
+        tokens = [self._prev_tokens(p) for p in prompts]
+        keep = min(len(t) for t in tokens)
+        heads = [self._head(t[len(t) - keep:] if keep else []) for t in tokens]
+        if self.device == "cpu":
+            parts = []
+            for clip in clips:
+                parts.append(np.asarray(self._encode([clip], to_cpu=True)))
+                if between is not None:
+                    between()
+            encoded = _storage(np.concatenate(parts))
+        else:
+            encoded = self._encode(clips)
+        out = self._generate(encoded, clips, heads, 1)
+        return [Decoded("") if self._degenerate(o, c) else _speech_only(o)
+                for o, c in zip(out, clips, strict=True)]
+
+    def _degenerate(self, out: Decoded, clip: "Clip") -> bool:
+        """Repetition or a decode that ran to its cap, in a window short of Whisper's."""
+        return clip.window < FULL_WINDOW_S and degenerate(_compression_ratio(out.text),
+                                                           len(out.tokens), clip.cap)
+
+    def _prev_tokens(self, prompt: str) -> list[int]:
         tok = self._tokenizer
         assert tok is not None
-        head: list[int] = []
-        if prompt:
-            # Whisper reads at most half its text context of previous text.
-            head = [tok.sot_prev] + tok.encode(" " + prompt.strip())[-223:]
+        # Whisper reads at most half its text context of previous text.
+        return tok.encode(" " + prompt.strip())[-223:] if prompt.strip() else []
+
+    def _head(self, prev: list[int]) -> list[int]:
+        tok = self._tokenizer
+        assert tok is not None
+        head = [tok.sot_prev] + prev if prev else []
         return head + list(tok.sot_sequence) + [tok.no_timestamps]
 
-    def _decode(self, audio: np.ndarray, window: float, cap: int, prompt: str,
-                beam_size: int, words: bool) -> Decoded:
-        import ctranslate2
+    def _prompt_tokens(self, prompt: str) -> list[int]:
+        return self._head(self._prev_tokens(prompt))
 
+    def _encode(self, clips: list["Clip"], to_cpu: bool = False):
+        wm = self._wm
+        assert wm is not None
+        feats = []
+        for clip in clips:
+            # The log-mel of the clip zero-padded to the window, as Whisper pads to 30 s.
+            samples = clip.frames * SAMPLE_RATE // FRAMES_PER_S
+            audio = np.pad(clip.audio, (0, max(0, samples - len(clip.audio))))
+            feats.append(wm.feature_extractor(audio)[:, :clip.frames])
+        return wm.model.encode(_storage(np.stack(feats)), to_cpu=to_cpu)
+
+    def _generate(self, encoded, clips: list["Clip"], heads: list[list[int]],
+                  beam_size: int) -> list[Decoded]:
         wm, tok = self._wm, self._tokenizer
         assert wm is not None and tok is not None
-        frames = int(round(window * FRAMES_PER_S))
-        # The log-mel of the clip zero-padded to the window, as Whisper pads to 30 s.
-        samples = frames * SAMPLE_RATE // FRAMES_PER_S
-        feats = wm.feature_extractor(np.pad(audio, (0, max(0, samples - len(audio)))))
-        feats = feats[:, :frames]
-        features = ctranslate2.StorageView.from_array(np.ascontiguousarray(feats[None]))
-        encoded = wm.model.encode(features, to_cpu=False)
-        head = self._prompt_tokens(prompt)
-        # max_length counts the prompt: the cap is on the tokens after it.
-        result = wm.model.generate(
-            encoded, [head], beam_size=beam_size, max_length=min(TEXT_CONTEXT, len(head) + cap),
+        # max_length counts the prompt: the cap is on the tokens after it. A batch runs to
+        # its longest cap; each result is cut to its own (a greedy decode's tokens do not
+        # depend on how far it may run), so a result reaching its cap is degenerate alone
+        # or in a batch.
+        caps = [min(TEXT_CONTEXT - len(h), c.cap) for h, c in zip(heads, clips, strict=True)]
+        results = wm.model.generate(
+            encoded, heads, beam_size=beam_size,
+            max_length=max(len(h) + c for h, c in zip(heads, caps, strict=True)),
             return_scores=True, return_no_speech_prob=True, suppress_blank=True,
-            suppress_tokens=[-1])[0]
-        tokens = [t for t in (result.sequences_ids or [[]])[0] if t < tok.eot]
-        text = tok.decode(tokens).strip()
-        # CTranslate2's score is the sum of log-probabilities over the length (length
-        # penalty 1); faster-whisper's average counts the end-of-text token too.
-        score = result.scores[0] if result.scores else 0.0
-        avg_logprob = score * len(tokens) / (len(tokens) + 1) if tokens else score
-        out = Decoded(text, tokens, avg_logprob=avg_logprob,
-                      no_speech_prob=float(result.no_speech_prob))
-        if words and tokens:
-            num_frames = min(frames, int(len(audio) * FRAMES_PER_S / SAMPLE_RATE))
-            out.words = self._words(tokens, encoded, num_frames)
+            suppress_tokens=[-1])
+        out = []
+        for result, cap in zip(results, caps, strict=True):
+            tokens = [t for t in (result.sequences_ids or [[]])[0] if t < tok.eot][:cap]
+            text = tok.decode(tokens).strip()
+            # CTranslate2's score is the sum of log-probabilities over the length (length
+            # penalty 1); faster-whisper's average counts the end-of-text token too.
+            score = result.scores[0] if result.scores else 0.0
+            avg_logprob = score * len(tokens) / (len(tokens) + 1) if tokens else score
+            out.append(Decoded(text, tokens, avg_logprob=avg_logprob,
+                               no_speech_prob=float(result.no_speech_prob)))
         return out
 
     def _words(self, tokens: list[int], encoded, num_frames: int) -> list[dict]:
@@ -233,6 +305,20 @@ class TinyWhisper:
                 continue
             words.append({"word": text, "start": start, "end": end, "conf": conf})
         return words
+
+
+def _speech_only(out: Decoded) -> Decoded:
+    """``out``, or no text where Whisper itself calls the window silent."""
+    silent = out.no_speech_prob > NO_SPEECH_PROB and out.avg_logprob < NO_SPEECH_LOGPROB
+    if silent or not any(c.isalnum() for c in out.text):  # "." on silence
+        return Decoded("", no_speech_prob=out.no_speech_prob, avg_logprob=out.avg_logprob)
+    return out
+
+
+def _storage(array: np.ndarray):
+    import ctranslate2
+
+    return ctranslate2.StorageView.from_array(np.ascontiguousarray(array))
 
 
 def _compression_ratio(text: str) -> float:

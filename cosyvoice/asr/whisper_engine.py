@@ -238,9 +238,12 @@ class CT2Whisper:
 
     def load(self):
         if self._model is None:
+            from .device import resolve_compute_type, resolve_device
             from .tiny_whisper import limit_threads
-            limit_threads(self.threads)
+            limit_threads(self.threads)  # before CTranslate2 is imported
             from faster_whisper import WhisperModel
+            self.device = resolve_device(self.device)
+            self.compute_type = resolve_compute_type(self.compute_type, self.device)
             self._model = WhisperModel(self.model_dir, device=self.device,
                                        compute_type=self.compute_type,
                                        cpu_threads=self.threads, num_workers=1)
@@ -273,8 +276,11 @@ def load_backend(settings):
         raise ValueError(f"unknown whisper backend {backend!r}; choose one of {WHISPER_BACKENDS}")
     mdir = settings.model_dir or None
     if backend == "ctranslate2":
-        return CT2Whisper(str(model_data.install_ct2(mdir)), threads=settings.whisper_threads)
-    device = model_data.resolve_device(settings.whisper_device)
+        # "auto" is resolved where the model is loaded: importing CTranslate2 here, before
+        # the fork, would fix its thread count before limit_threads can
+        return CT2Whisper(str(model_data.install_ct2(mdir)), threads=settings.whisper_threads,
+                          device=settings.device, compute_type=settings.compute_type)
+    device = model_data.resolve_device(settings.device)
     path = model_data.convert(mdir, source=settings.whisper_checkpoint or None, device=device)
     return TorchWhisper(str(path), device=device, threads=settings.whisper_threads,
                         cpu_bf16=settings.whisper_cpu_bf16,

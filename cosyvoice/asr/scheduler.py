@@ -1,0 +1,255 @@
+"""The decode scheduler of a worker process: whisper-live's decodes, finals first.
+
+A whisper-live session needs a Whisper decode for each partial (the open utterance again,
+about once a second) and for each final. Decoded in the worker's loop, one session after
+the other, a final waited for every partial decode of the round in progress: on two cores
+the loop held 10 real-time sessions and missed the final target at 12 with the CPU half
+idle (docs/engines.md). Here the loop only runs the cheap front end (resampling, the VAD,
+the endpointer) and hands each decode to the scheduler, a thread of the worker process:
+
+- **Finals first.** A final is decoded as soon as the decode step in progress ends: the
+  partials' work is cut into steps (each clip's encoder pass, then one ``generate`` for
+  the batch), and the scheduler looks for a waiting final before each step. Finals of a
+  session are decoded in order, each with the finals before it as its prompt, so they are
+  the same whatever else the worker decodes (CTranslate2 on one thread is deterministic,
+  and a batch does not change a clip's result: tests/test_engines.py).
+- **Partials coalesced.** A session has at most one partial waiting: a newer one replaces
+  it, and its final drops it (the utterance is over). So a worker that falls behind
+  decodes fewer partials, on the newest audio, instead of a queue of stale ones.
+- **Batched.** Waiting partials that share an encoder window are decoded as one batch, up
+  to ``decode_batch`` (``COSYVOICE_DECODE_BATCH``; chosen by ``benchmarks/batching.py``).
+  A partial of a session whose final is being decoded waits for it (its prompt and its
+  utterance number come from that final).
+
+The loop learns of results by polling the jobs (``done``); it publishes a session's
+results in the order they were handed over, so a partial never follows its own final.
+With ``decode_batch`` 0 there is no scheduler: every decode runs in the loop (``Inline``),
+as before; tests and the direct decodes of the benchmarks decode that way too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger("cosyvoice.worker")
+
+
+@dataclass
+class StreamState:
+    """What a session's decodes share, read and written only where decodes run (the
+    scheduler's thread, or the loop when decoding inline)."""
+    prompt: str = ""  # the session's finals so far (their end): the prompt of the next
+    utterance: int = 0  # finals with text so far: the number of the open utterance
+    hyp: list[str] = field(default_factory=list)  # the last partial's words
+    last_partial: str = ""
+    cancelled: bool = False  # the session is no longer this process's
+    finals_in_flight: int = 0  # finals handed over and not decoded yet (scheduler lock)
+
+
+@dataclass
+class DecodeJob:
+    """One decode a stream asks for. ``result`` is filled in (or ``dropped``) by
+    ``finish``, which the engine gives, once the decode is done."""
+    kind: str  # "partial" | "final"
+    state: StreamState
+    pcm: bytes
+    result: dict
+    finish: Callable[["DecodeJob", Any], None]  # (job, Decoded or None when dropped)
+    clip: Any = None  # the scheduler's: the prepared audio
+    prompt: str = ""  # the prompt it was decoded with
+    utterance: int = 0  # the utterance it belongs to (set when it is decoded)
+    done: bool = False
+    failed: bool = False
+    dropped: bool = False
+    after: dict = field(default_factory=dict)  # checkpoint fields once this final is done
+
+    def drop(self) -> None:
+        self.finish(self, None)
+        self.dropped = self.done = True
+
+
+class Inline:
+    """No scheduler: each decode runs when it is asked for, in the caller's thread."""
+
+    def __init__(self, decode_final: Callable[[DecodeJob], Any],
+                 decode_partial: Callable[[DecodeJob], Any]):
+        self._final = decode_final
+        self._partial = decode_partial
+
+    def submit(self, job: DecodeJob) -> None:
+        st = job.state
+        job.prompt, job.utterance = st.prompt, st.utterance
+        decode = self._final if job.kind == "final" else self._partial
+        job.finish(job, decode(job))
+        job.done = True
+
+
+class DecodeScheduler:
+    """The decode thread of one worker process (see the module's docstring).
+
+    ``decode_final(job)``: a final's result; ``prepare(job)``: a partial's clip (its
+    ``window`` groups batches); ``decode_partials(jobs, between)``: results of a batch,
+    calling ``between()`` after each step.
+    """
+
+    def __init__(self, decode_final: Callable[[DecodeJob], Any],
+                 prepare: Callable[[DecodeJob], Any],
+                 decode_partials: Callable[[list[DecodeJob], Callable[[], None]], list[Any]],
+                 max_batch: int, start: Callable[[], None] | None = None):
+        self._decode_final = decode_final
+        self._prepare = prepare
+        self._decode_partials = decode_partials
+        self.max_batch = max(1, max_batch)
+        self._start = start
+        self._cond = threading.Condition()
+        self._finals: deque[DecodeJob] = deque()
+        self._partials: OrderedDict[int, DecodeJob] = OrderedDict()  # by id(state)
+        self._busy = False
+        self._stopping = False
+        # what it did, for the metrics and the benchmark
+        self.batches = 0
+        self.partials_decoded = 0
+        self.partials_dropped = 0
+        self.finals_decoded = 0
+        self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
+        self._thread.start()
+
+    # ---- the loop's side --------------------------------------------------------------
+
+    def submit(self, job: DecodeJob) -> None:
+        with self._cond:
+            key = id(job.state)
+            stale = self._partials.pop(key, None)
+            if job.kind == "final":
+                job.state.finals_in_flight += 1
+                self._finals.append(job)
+            else:
+                self._partials[key] = job
+            self._cond.notify_all()
+        if stale is not None:  # replaced by a newer partial, or its utterance ended
+            self.partials_dropped += 1
+            stale.drop()
+
+    def cancel(self, state: StreamState) -> None:
+        """The session is gone from this process: nothing of it is decoded any more."""
+        with self._cond:
+            state.cancelled = True
+            stale = self._partials.pop(id(state), None)
+        if stale is not None:
+            stale.drop()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is waiting or being decoded; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not (self._busy or self._finals or self._partials), timeout_s)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    # ---- the decode thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self._start is not None:
+            self._start()
+        while True:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._stopping or self._finals
+                                    or self._ready_partial() is not None)
+                if self._stopping:
+                    return
+                self._busy = True
+                final = self._finals.popleft() if self._finals else None
+                batch = [] if final is not None else self._take_partials()
+            if final is not None:
+                self._final(final)
+            else:
+                self._partial_batch(batch)
+
+    def _ready_partial(self) -> DecodeJob | None:
+        for job in self._partials.values():
+            if job.state.finals_in_flight == 0:
+                return job
+        return None
+
+    def _take_partials(self) -> list[DecodeJob]:
+        """Up to ``max_batch`` waiting partials, oldest first, that share the oldest's
+        encoder window and whose sessions have no final being decoded (lock held)."""
+        first = self._ready_partial()
+        if first is None:
+            return []
+        batch: list[DecodeJob] = []
+        for key, job in list(self._partials.items()):
+            if len(batch) == self.max_batch:
+                break
+            if job.state.finals_in_flight:
+                continue
+            if job.clip is None:
+                job.clip = self._prepare(job)
+            if first.clip is None:
+                first.clip = self._prepare(first)
+            if job.clip.window != first.clip.window:
+                continue
+            del self._partials[key]
+            st = job.state
+            job.prompt, job.utterance = st.prompt, st.utterance
+            batch.append(job)
+        return batch
+
+    def _between(self) -> None:
+        """Between two steps of a partial batch: decode the finals waiting."""
+        while True:
+            with self._cond:
+                final = self._finals.popleft() if self._finals else None
+            if final is None:
+                return
+            self._final(final)
+
+    def _final(self, job: DecodeJob) -> None:
+        st = job.state
+        try:
+            if st.cancelled:
+                job.drop()
+                return
+            job.prompt, job.utterance = st.prompt, st.utterance
+            try:
+                decoded = self._decode_final(job)
+            except Exception:  # noqa: BLE001 - a decoder bug ends its session, not the worker
+                log.exception("decoding a final failed")
+                job.failed = job.done = True
+                return
+            job.finish(job, decoded)
+            job.done = True
+            self.finals_decoded += 1
+        finally:
+            with self._cond:
+                st.finals_in_flight -= 1
+                self._cond.notify_all()
+
+    def _partial_batch(self, batch: list[DecodeJob]) -> None:
+        live = [j for j in batch if not j.state.cancelled]
+        for job in batch:
+            if job.state.cancelled:
+                job.drop()
+        if not live:
+            return
+        try:
+            decoded = self._decode_partials(live, self._between)
+        except Exception:  # noqa: BLE001 - a partial is not worth a session
+            log.exception("decoding %d partials failed", len(live))
+            for job in live:
+                job.drop()
+            return
+        self.batches += 1
+        for job, out in zip(live, decoded, strict=True):
+            job.finish(job, out)
+            job.done = True
+            self.partials_decoded += 1

@@ -1,0 +1,227 @@
+"""The decode scheduler (cosyvoice/asr/scheduler.py): finals first, partials coalesced and
+batched, and nothing about a session's finals changed by what else is decoded beside it.
+
+The first tests drive the scheduler's thread with decode functions of their own that
+record what they are asked and wait on a gate, so a test can line work up while the
+thread is busy; the rest decode real speech with Whisper tiny.en.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from cosyvoice.asr import live_engine
+from cosyvoice.asr.scheduler import DecodeJob, DecodeScheduler, StreamState
+from cosyvoice.asr.tiny_whisper import Decoded
+from cosyvoice.finals import Pending
+from cosyvoice.settings import Settings
+
+from .helpers import finals, read_pcm, run_stream
+
+WAIT_S = 10.0
+
+
+class Recorder:
+    """Decode functions that log each call; partial batches wait for ``gate``."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def final(self, job: DecodeJob):
+        self.calls.append(("final", job.result["name"], job.prompt))
+        return Decoded(job.result["name"])
+
+    def prepare(self, job: DecodeJob):
+        return SimpleNamespace(window=job.result.get("window", 10.0))
+
+    def partials(self, jobs: list[DecodeJob], between):
+        self.started.set()
+        assert self.gate.wait(WAIT_S)
+        between()  # after the first step of the batch
+        self.calls.append(("partials", [j.result["name"] for j in jobs],
+                           [j.prompt for j in jobs]))
+        return [Decoded(j.result["name"]) for j in jobs]
+
+
+def finish_final(job: DecodeJob, decoded) -> None:
+    if decoded is not None:
+        job.state.prompt = f"{job.state.prompt} {decoded.text}".strip()
+        job.state.utterance += 1
+        job.after = {"prompt": job.state.prompt}
+
+
+def finish_partial(job: DecodeJob, decoded) -> None:
+    if decoded is not None:
+        job.result["text"] = decoded.text
+
+
+def job(kind: str, state: StreamState, name: str, **extra) -> DecodeJob:
+    return DecodeJob(kind, state, b"", {"name": name, **extra},
+                     finish_final if kind == "final" else finish_partial)
+
+
+def wait_done(jobs, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(j.done for j in jobs):
+        assert time.monotonic() < deadline, "the scheduler did not finish its jobs"
+        time.sleep(0.005)
+
+
+@pytest.mark.fast
+def test_finals_go_first_and_a_sessions_partials_coalesce():
+    rec = Recorder()
+    sched = DecodeScheduler(rec.final, rec.prepare, rec.partials, max_batch=2)
+    a, b, c, d = (StreamState() for _ in range(4))
+    try:
+        first = job("partial", a, "a1")
+        sched.submit(first)
+        assert rec.started.wait(WAIT_S)  # the thread is in a1's batch now
+        b1, b2 = job("partial", b, "b1"), job("partial", b, "b2")
+        d1 = job("partial", d, "d1")
+        c_final = job("final", c, "C")
+        c2 = job("partial", c, "c2")  # its session's final is being decoded: waits for it
+        d_final = job("final", d, "D")  # ends d's utterance: d1 is dropped
+        for j in (b1, b2, d1, c_final, c2, d_final):
+            sched.submit(j)
+        assert b1.dropped and b1.done  # replaced by b2, never decoded
+        assert d1.dropped and d1.done
+        rec.gate.set()
+        wait_done([first, b2, c_final, c2, d_final])
+        assert sched.wait_idle(WAIT_S)
+    finally:
+        sched.stop()
+    # Both finals were decoded between the first step of a1's batch and its end; then the
+    # waiting partials, at most two a batch, c2 with the prompt its final left.
+    assert rec.calls[0] == ("final", "C", "")
+    assert rec.calls[1] == ("final", "D", "")
+    assert rec.calls[2] == ("partials", ["a1"], [""])
+    batched = [name for call in rec.calls[3:] for name in call[1]]
+    assert sorted(batched) == ["b2", "c2"]
+    assert all(len(call[1]) <= 2 for call in rec.calls[3:])
+    assert c2.prompt == "C" and c2.result["text"] == "c2"
+    assert c_final.after == {"prompt": "C"}
+    assert (sched.finals_decoded, sched.partials_decoded, sched.partials_dropped) == (2, 3, 2)
+
+
+@pytest.mark.fast
+def test_a_batch_shares_one_encoder_window_and_a_cancelled_session_is_not_decoded():
+    rec = Recorder()
+    rec.gate.set()
+    sched = DecodeScheduler(rec.final, rec.prepare, rec.partials, max_batch=8)
+    states = [StreamState() for _ in range(4)]
+    gone = StreamState()
+    try:
+        with sched._cond:  # line the work up before the thread can take any of it
+            jobs = [job("partial", st, f"p{i}", window=10.0 if i % 2 else 15.0)
+                    for i, st in enumerate(states)]
+            for j in jobs:
+                sched.submit(j)
+            lost = job("partial", gone, "lost")
+            sched.submit(lost)
+            sched.cancel(gone)
+            gone_final = job("final", gone, "gone")
+            sched.submit(gone_final)
+        wait_done([*jobs, lost, gone_final])
+    finally:
+        sched.stop()
+    assert lost.dropped and gone_final.dropped
+    assert ("final", "gone", "") not in rec.calls
+    batches = sorted(sorted(call[1]) for call in rec.calls)
+    assert batches == [["p0", "p2"], ["p1", "p3"]]
+
+
+@pytest.mark.fast
+def test_pending_publishes_a_scheduled_result_as_decoded_and_skips_a_dropped_one():
+    st = StreamState()
+    kept, gone = job("partial", st, "kept"), job("partial", st, "gone")
+    kept.finish(kept, Decoded("hello"))
+    kept.done = True
+    gone.drop()
+    final = job("final", st, "F")
+    final.finish(final, Decoded("F"))
+    final.done = True
+    results = [{"type": "partial", "seq": 3, "job": kept},
+               {"type": "partial", "seq": 3, "job": gone},
+               {"type": "final", "seq": 3, "job": final}, {"type": "end", "seq": 3}]
+    item = Pending("1-0", results, {"offset": 0, "prompt": "old"}, True, [kept, gone, final])
+    assert item.ready() and not item.failed()
+    out = item.publishable()
+    assert [r["type"] for r in out] == ["partial", "final", "end"]
+    assert out[0]["text"] == "hello" and out[0]["seq"] == 3 and "job" not in out[0]
+    assert item.final_checkpoint() == {"offset": 0, "prompt": "F"}
+
+
+# ---- real speech ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return live_engine.LiveModel(Settings()).decoder
+
+
+def test_a_batch_of_partials_decodes_each_clip_as_it_would_alone(decoder):
+    names = ["birch", "call", "chicken", "coffee"]
+    prompt = "The meeting starts at ten."
+    clips = [decoder.clip(read_pcm(n), live_engine.PARTIAL_WINDOW_FLOOR_S) for n in names]
+    steps: list[int] = []
+    batch = decoder.decode_partials(clips, [prompt] * len(clips), lambda: steps.append(1))
+    alone = [decoder.decode(read_pcm(n), prompt, beam_size=1,
+                            floor_s=live_engine.PARTIAL_WINDOW_FLOOR_S, fallback=False)
+             for n in names]
+    assert [d.text for d in batch] == [d.text for d in alone]
+    assert [d.tokens for d in batch] == [d.tokens for d in alone]
+    assert all(d.text for d in batch)
+    assert len(steps) == len(names)  # a final may be decoded after each clip's encoder pass
+
+
+def scheduled_run(model, pcms: list[bytes], chunk: int = 6400) -> list[list[dict]]:
+    """Stream several sessions at once, chunk by chunk in turn, through ``model``'s
+    scheduler; each session's published results, as the worker would publish them."""
+    streams = [model.stream(16000) for _ in pcms]
+    items: list[list[Pending]] = [[] for _ in pcms]
+    flushed = [False] * len(pcms)
+    longest = max(len(p) for p in pcms)
+    for pos in range(0, longest + chunk, chunk):
+        for i, (stream, pcm) in enumerate(zip(streams, pcms, strict=True)):
+            if flushed[i]:
+                continue
+            if pos < len(pcm):
+                out = stream.feed(pcm[pos:pos + chunk])
+            else:
+                out, flushed[i] = stream.flush(), True
+            jobs = [r["job"] for r in out if "job" in r]
+            items[i].append(Pending(str(pos), out, None, False, jobs))
+    all_jobs = [j for per in items for item in per for j in item.jobs]
+    wait_done(all_jobs, 120.0)
+    return [[r for item in per for r in item.publishable()] for per in items]
+
+
+def test_sessions_decoded_together_get_the_finals_each_gets_alone():
+    names = ["two_utterances", "shells", "meeting"]
+    pcms = [read_pcm(n) for n in names]
+    inline = live_engine.LiveModel(Settings())
+    alone = [finals(run_stream(inline, pcm)[0]) for pcm in pcms]
+    model = live_engine.LiveModel(Settings(), decoder=inline.decoder)
+    sched = model.start_scheduler(4)
+    try:
+        together = scheduled_run(model, pcms)
+    finally:
+        sched.stop()
+    for solo, shared in zip(alone, together, strict=True):
+        assert [(f["text"], f["utterance"], f["words"]) for f in finals(shared)] == \
+            [(f["text"], f["utterance"], f["words"]) for f in solo]
+        assert solo  # every session said something
+        # no partial after its utterance's final
+        done = -1
+        for r in shared:
+            if r["type"] == "final":
+                done = r["utterance"]
+            elif r["type"] == "partial":
+                assert r["utterance"] > done
+    assert sched.finals_decoded == sum(len(f) for f in alone)
