@@ -225,3 +225,4 @@ def test_sessions_decoded_together_get_the_finals_each_gets_alone():
             elif r["type"] == "partial":
                 assert r["utterance"] > done
     assert sched.finals_decoded == sum(len(f) for f in alone)
+
