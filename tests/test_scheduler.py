@@ -226,3 +226,50 @@ def test_sessions_decoded_together_get_the_finals_each_gets_alone():
                 assert r["utterance"] > done
     assert sched.finals_decoded == sum(len(f) for f in alone)
 
+
+
+# ---- devices ----------------------------------------------------------------------------
+
+
+@pytest.mark.fast
+def test_the_device_and_compute_type_come_from_the_settings():
+    from cosyvoice.asr.device import resolve_compute_type, resolve_device
+    from cosyvoice.settings import SettingsError
+
+    env = {"COSYVOICE_DEVICE": "cuda", "COSYVOICE_COMPUTE_TYPE": "float16"}
+    s = Settings.from_env(env)
+    assert (s.device, s.compute_type) == ("cuda", "float16")
+    assert Settings().device == "auto" and Settings().compute_type == "auto"
+    for bad in ({"COSYVOICE_DEVICE": "tpu"}, {"COSYVOICE_COMPUTE_TYPE": "int4"}):
+        with pytest.raises(SettingsError):
+            Settings.from_env(bad)
+    assert resolve_device("cuda") == "cuda" and resolve_device("cpu") == "cpu"
+    assert resolve_compute_type("auto", "cpu") == "int8"
+    assert resolve_compute_type("auto", "cuda") == "int8_float16"
+    assert resolve_compute_type("float16", "cuda") == "float16"
+
+
+def test_auto_resolves_where_the_model_loads():
+    import ctranslate2
+
+    from cosyvoice.asr.device import resolve_compute_type
+
+    # "auto": CUDA where CTranslate2 sees a GPU (int8_float16), else the CPU (int8)
+    device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
+    model = live_engine.LiveModel(Settings())
+    dec = model.decoder
+    assert (dec.device, dec.compute_type) == ("auto", "auto")  # nothing imported yet
+    dec.load()
+    assert (dec.device, dec.compute_type) == (device, resolve_compute_type("auto", device))
+    assert dec._wm.model.device == device
+    assert dec._wm.model.compute_type.startswith("int8")  # CTranslate2: int8_float32 on a CPU
+
+
+def test_the_torch_backend_takes_the_same_device_setting():
+    import torch
+
+    from cosyvoice.asr import model_data
+
+    assert model_data.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert model_data.resolve_device("cpu") == "cpu"
+    assert model_data.resolve_device("cuda") == "cuda"

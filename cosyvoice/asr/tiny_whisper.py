@@ -201,8 +201,9 @@ class TinyWhisper:
     def decode_partials(self, clips: list["Clip"], prompts: list[str],
                         between: Callable[[], None] | None = None) -> list[Decoded]:
         """Greedy decodes of clips that share an encoder window, as one batch: each clip is
-        encoded (on the CPU one at a time: a batch of windows costs more per window there,
-        docs/engines.md), then one ``generate`` runs over all of them. CTranslate2 needs
+        encoded alone (on the CPU a batch of windows costs more per window, and a final may
+        be decoded between two clips; docs/engines.md), then one ``generate`` runs over all
+        of them. CTranslate2 needs
         every prompt of a batch to be as long, so each is cut to the shortest (in tokens).
         A degenerate result is dropped, as a partial's is. ``between`` runs after each
         step (the scheduler decodes a final there, if one is waiting)."""
@@ -211,16 +212,12 @@ class TinyWhisper:
         tokens = [self._prev_tokens(p) for p in prompts]
         keep = min(len(t) for t in tokens)
         heads = [self._head(t[len(t) - keep:] if keep else []) for t in tokens]
-        if self.device == "cpu":
-            parts = []
-            for clip in clips:
-                parts.append(np.asarray(self._encode([clip], to_cpu=True)))
-                if between is not None:
-                    between()
-            encoded = _storage(np.concatenate(parts))
-        else:
-            encoded = self._encode(clips)
-        out = self._generate(encoded, clips, heads, 1)
+        parts = []
+        for clip in clips:
+            parts.append(np.asarray(self._encode([clip], to_cpu=True)))
+            if between is not None:
+                between()
+        out = self._generate(_storage(np.concatenate(parts)), clips, heads, 1)
         return [Decoded("") if self._degenerate(o, c) else _speech_only(o)
                 for o, c in zip(out, clips, strict=True)]
 
