@@ -90,7 +90,8 @@ def utterances(pcm: bytes) -> list[bytes]:
     from cosyvoice.audio import split_chunks
     from cosyvoice.settings import Settings
 
-    model = TwoPassModel(Settings(engine="2pass"), backend=object())
+    model = TwoPassModel(Settings(engine="2pass", twopass_partials="pocketsphinx"),
+                         backend=object())
     stream = model.stream(16000, mode="2pass")
     out = []
     for chunk in split_chunks(pcm, 16000):

@@ -98,6 +98,7 @@ def workers_cpu_s(stack: Stack) -> dict[str, float]:
 
 def run_level(n: int, args) -> dict:
     env = {"COSYVOICE_ENGINE": "2pass", "COSYVOICE_WHISPER_BACKEND": args.backend,
+           "COSYVOICE_TWOPASS_PARTIALS": "pocketsphinx",  # the figures' partials
            "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0",
            "COSYVOICE_WORKER_CAPACITY": str(math.ceil(n / args.workers)),
            **dict(kv.split("=", 1) for kv in args.env)}

@@ -53,8 +53,9 @@ class Settings:
     worker_metrics_port: int = 0
     # Recogniser engine: "whisper-live" (Whisper tiny.en partials and finals,
     # cosyvoice/asr/live_engine.py: a third of PocketSphinx's word errors, docs/engines.md);
-    # "pocketsphinx" (the low-cost engine); "2pass" (PocketSphinx partials, Whisper finals;
-    # a session may also ask for "pocketsphinx" or "whisper" finals only); "whisper" (the
+    # "pocketsphinx" (the low-cost engine); "2pass" (Whisper base finals after a first pass,
+    # see twopass_partials; a session may also ask for "pocketsphinx" or "whisper" finals
+    # only); "whisper" (the
     # same models, sessions default to Whisper finals without partials); or "null"
     # (transport benchmarks only).
     engine: str = "whisper-live"
@@ -78,6 +79,11 @@ class Settings:
     # scheduler, each session decodes in the worker's loop, one after the other (the
     # unbatched baseline of benchmarks/batching.py; docs/engines.md, "Decode scheduler").
     decode_batch: int = 4
+    # 2pass engine: where the partials (and endpoints) of the "2pass" and "whisper" modes
+    # come from: "whisper-live" (Whisper tiny.en: 0.65x the CPU of PocketSphinx's, measured
+    # in docs/engines.md, "2-pass partials") or "pocketsphinx"; the finals are Whisper base
+    # either way.
+    twopass_partials: str = "whisper-live"
     # torch backend on the CPU: bf16 arithmetic inside fp32 matrix products where the CPU
     # has bf16 instructions (weights stay fp32 and shared); 32 % less CPU per final.
     whisper_cpu_bf16: bool = True
@@ -257,6 +263,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "compute_type": _one_of("auto", "int8", "int8_float32", "int8_float16", "int8_bfloat16",
                             "int16", "float16", "bfloat16", "float32"),
     "decode_batch": _at_least(0),
+    "twopass_partials": _one_of("pocketsphinx", "whisper-live"),
     "finals_nice": ((lambda v: 0 <= v <= 19), "a niceness from 0 to 19"),
     "whisper_window_floor_s": ((lambda v: v == 0 or 1 <= v <= 30), "0, or seconds from 1 to 30"),
     "session_grace_s": _at_least(0),

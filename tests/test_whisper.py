@@ -196,6 +196,7 @@ def whisper_service(request, artifacts, model_dir):
     their Redis, so the PocketSphinx test service must not share it."""
     backend = request.param
     env = {**TEST_ENV, "COSYVOICE_ENGINE": "2pass", "COSYVOICE_WHISPER_BACKEND": backend,
+           "COSYVOICE_TWOPASS_PARTIALS": "pocketsphinx",  # live_partials_service: the other
            "COSYVOICE_MODEL_DIR": str(model_dir), "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0",
            # short leases: a killed worker's session is taken over within the test
            "COSYVOICE_LEASE_TTL_MS": "1500", "COSYVOICE_LEASE_RENEW_MS": "300",
@@ -371,6 +372,60 @@ def test_a_2pass_worker_killed_with_finals_in_hand_is_invisible_to_the_client(wh
     launcher.wait_workers(whisper_service.redis_url, 2, timeout=60)
 
 
+@pytest.fixture(scope="module")
+def live_partials_service(artifacts, model_dir):
+    """A 2pass service whose partials and endpoints come from whisper-live."""
+    env = {**TEST_ENV, "COSYVOICE_ENGINE": "2pass", "COSYVOICE_WHISPER_BACKEND": "torch",
+           "COSYVOICE_TWOPASS_PARTIALS": "whisper-live",
+           "COSYVOICE_MODEL_DIR": str(model_dir), "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0",
+           "COSYVOICE_LEASE_TTL_MS": "1500", "COSYVOICE_LEASE_RENEW_MS": "300",
+           "COSYVOICE_CLAIM_INTERVAL_MS": "300"}
+    with launcher.redis_server() as server:
+        svc = launcher.start_service(server.url, processes=2, env=env, logs=artifacts,
+                                     name="whisper-live-partials")
+        yield svc
+        svc.stop()
+
+
+def test_2pass_partials_can_come_from_whisper_live(live_partials_service):
+    url = live_partials_service.url
+    reference = (FIXTURES / "two_utterances.txt").read_text().split("\t", 1)[1]
+    result = transcribe_pcm(url, read_pcm("two_utterances"), 16000, pace="realtime",
+                            mode="2pass")
+    assert not result.errors and result.ended
+    assert [f["engine"] for f in result.finals] == ["whisper", "whisper"]
+    assert corpus_wer([reference], [result.text]) == 0.0, result.text
+    # whisper-live partials (they carry LocalAgreement's stable prefix), each before its
+    # utterance's final
+    assert result.partials and all("stable" in p for p in result.partials)
+    for f in result.finals:
+        assert any(p["utterance"] == f["utterance"] for p in result.partials)
+    kinds = [d["type"] for _t, e, d in result.events if e == "text"]
+    assert kinds.index("partial") < kinds.index("final")
+    # "whisper": the same finals, no partials; "pocketsphinx": PocketSphinx's own finals
+    whisper = transcribe_pcm(url, read_pcm("two_utterances"), 16000, pace="fast",
+                             mode="whisper")
+    assert not whisper.partials and [f["text"] for f in whisper.finals] == \
+        [f["text"] for f in result.finals]
+    sphinx = transcribe_pcm(url, read_pcm("two_utterances"), 16000, pace="fast",
+                            mode="pocketsphinx")
+    assert sphinx.finals and all(f["engine"] == "pocketsphinx" for f in sphinx.finals)
+
+
+def test_a_worker_killed_mid_final_with_whisper_live_partials_is_invisible(
+        live_partials_service):
+    pcm = read_pcm("two_utterances")
+    reference = transcribe_pcm(live_partials_service.url, pcm, 16000, pace="fast",
+                               mode="2pass")
+    result, killed = _transcribe_killing_mid_final(live_partials_service, pcm,
+                                                   lambda worker: [worker])
+    assert killed, "the owner was killed with a final in hand"
+    assert not result.errors
+    assert [f["utterance"] for f in result.finals] == [0, 1]
+    assert [f["text"] for f in result.finals] == [f["text"] for f in reference.finals]
+    launcher.wait_workers(live_partials_service.redis_url, 2, timeout=60)
+
+
 @pytest.mark.parametrize("whisper_service", ["torch"], indirect=True)
 def test_a_finals_process_killed_mid_final_is_started_again_and_loses_nothing(whisper_service):
     pcm = read_pcm("two_utterances")
@@ -443,6 +498,7 @@ def _two_pass_worker(torch_backend, redis_url, client, **settings):
 
     # two sessions at once (the 2-pass engines' own capacity is 1 per process)
     config = Settings(redis_url=redis_url, engine="2pass", finals_nice=0,
+                      twopass_partials="pocketsphinx",
                       **{"worker_capacity": 2, **settings})
     worker = Worker(config, HeldTwoPass(config, backend=torch_backend), client,
                     finals_process=False)  # the hook holds finals in this process

@@ -134,6 +134,16 @@ class LiveModel:
         cp = checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate, "prompt": ""}
         return LiveStream(self, cp)
 
+    def first_pass(self, sample_rate: int, checkpoint: dict | None = None,
+                   partials: bool = True) -> "LiveStream":
+        """A stream for the 2-pass engine: its partials (unless ``partials`` is False) and
+        its endpoints, but no final decoded here. A final comes back with its
+        utterance's ``audio`` and no text, for the worker's finals stage, which owns the
+        session's prompt (partials are decoded without one)."""
+        cp = {**(checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate}),
+              "prompt": ""}
+        return LiveStream(self, cp, defer_finals=True, partials=partials)
+
     # ---- decodes (where the runner runs them) -----------------------------------------
 
     def _decode_final(self, job: DecodeJob) -> Decoded:
@@ -191,9 +201,12 @@ def _finish_final(job: DecodeJob, decoded: Decoded | None) -> None:
 
 
 class LiveStream:
-    def __init__(self, model: LiveModel, cp: dict):
+    def __init__(self, model: LiveModel, cp: dict, defer_finals: bool = False,
+                 partials: bool = True):
         s = model.settings
         self._model = model
+        self._defer_finals = defer_finals  # the 2-pass engine decodes the finals
+        self._partials = partials
         self._window = s.endpoint_window_s
         self._ratio = s.endpoint_ratio
         self._preroll = int(s.endpoint_preroll_s * MODEL_RATE)
@@ -294,6 +307,8 @@ class LiveStream:
     # ---- output -----------------------------------------------------------------------
 
     def _partial(self) -> list[dict]:
+        if not self._partials:
+            return []
         n = len(self._utt_pcm) // 2
         now = self._model.clock()
         if (n < MIN_PARTIAL_S * MODEL_RATE or n - self._partial_at < self._interval * MODEL_RATE
@@ -326,6 +341,12 @@ class LiveStream:
         result = {"type": "final", "text": "", "utterance": 0,
                   "start": self._seconds(self._utt_start), "end": self._seconds(end_sample),
                   "words": [], "engine": ENGINE}
+        if self._defer_finals:  # every utterance is one, whatever its final says
+            st = self._state
+            st.hyp, st.last_partial = [], ""
+            result.update(utterance=st.utterance, audio=bytes(self._utt_pcm))
+            st.utterance += 1
+            return [result]
         return self._ask(DecodeJob("final", self._state, bytes(self._utt_pcm), result,
                                    _finish_final))
 

@@ -1,9 +1,11 @@
-"""2-pass recognition: PocketSphinx partials, Whisper finals.
+"""2-pass recognition: a first pass for partials and endpoints, Whisper base finals.
 
-PocketSphinx (``pocketsphinx_engine.py``) still runs the endpointer and the streaming
-partials. When it closes an utterance (endpoint, length cap, or ``last``), the audio it
-decoded for that utterance (pre-roll included) is decoded again by Whisper base, and
-that text is the utterance's final, marked ``"engine": "whisper"``. A session chooses
+The first pass runs the endpointer and the streaming partials: whisper-live's
+(``LiveFirstPass`` over ``live_engine.py``: Silero VAD, Whisper tiny.en) or PocketSphinx's
+(``TwoPassStream``; ``COSYVOICE_TWOPASS_PARTIALS``). When it closes an utterance
+(endpoint, length cap, or ``last``), the audio of that utterance (pre-roll included) is
+decoded again by Whisper base, and that text is the utterance's final, marked
+``"engine": "whisper"``. A session chooses
 its mode at connect: ``pocketsphinx`` (finals from PocketSphinx), ``2pass`` or
 ``whisper`` (Whisper finals only, no partials).
 
@@ -297,6 +299,13 @@ class TwoPassModel:
         self.name = default_mode
         self.ps = PocketSphinxModel(settings)
         self.backend = backend or load_backend(settings)
+        # COSYVOICE_TWOPASS_PARTIALS=whisper-live: partials and endpoints of the "2pass"
+        # and "whisper" modes from whisper-live (docs/engines.md, "2-pass partials"); it
+        # loads on its first decode, after the finals process has forked from the worker
+        self.live = None
+        if settings.twopass_partials == "whisper-live":
+            from .live_engine import LiveModel
+            self.live = LiveModel(settings)
 
     def preload(self, n: int) -> None:
         self.ps.preload(n)
@@ -312,13 +321,16 @@ class TwoPassModel:
             load()
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
-               mode: str | None = None) -> "TwoPassStream":
+               mode: str | None = None) -> "TwoPassStream | LiveFirstPass":
         mode = (checkpoint or {}).get("mode") or mode or self.default_mode
         if mode not in ENGINES["2pass"].modes:
             mode = self.default_mode
         ps_cp = None
         if checkpoint is not None:
             ps_cp = {k: v for k, v in checkpoint.items() if k != "mode"}
+        if self.live is not None and mode != "pocketsphinx":
+            return LiveFirstPass(self.live.first_pass(sample_rate, ps_cp,
+                                                      partials=mode == "2pass"), mode)
         ps_stream = self.ps.stream(sample_rate, ps_cp)
         ps_stream.keep_audio = mode != "pocketsphinx"
         return TwoPassStream(self, ps_stream, mode)
@@ -367,3 +379,28 @@ class TwoPassStream:
     def close(self) -> None:
         self._ps.close()
 
+
+
+class LiveFirstPass:
+    """A 2-pass session whose partials and endpoints come from whisper-live: each final
+    goes to the finals stage with its utterance's audio, as TwoPassStream's do."""
+
+    def __init__(self, live, mode: str):
+        self._live = live
+        self.mode = mode
+
+    @property
+    def checkpoint(self) -> dict:
+        return {**self._live.checkpoint, "mode": self.mode}
+
+    def _second_pass(self, results: list[dict]) -> list[dict]:
+        return [{**r, "engine": "whisper"} if r["type"] == "final" else r for r in results]
+
+    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
+        return self._second_pass(self._live.feed(pcm, sample_rate))
+
+    def flush(self) -> list[dict]:
+        return self._second_pass(self._live.flush())
+
+    def close(self) -> None:
+        self._live.close()
