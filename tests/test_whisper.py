@@ -358,18 +358,21 @@ def _transcribe_killing_mid_final(service, pcm: bytes, victims) -> tuple[Any, li
     return result, killed
 
 
-@pytest.mark.parametrize("whisper_service", ["torch"], indirect=True)
-def test_a_2pass_worker_killed_with_finals_in_hand_is_invisible_to_the_client(whisper_service):
+def _kill_mid_final_is_invisible(service) -> None:
     pcm = read_pcm("two_utterances")
-    reference = transcribe_pcm(whisper_service.url, pcm, 16000, pace="fast", mode="2pass")
-    result, killed = _transcribe_killing_mid_final(whisper_service, pcm,
-                                                   lambda worker: [worker])
+    reference = transcribe_pcm(service.url, pcm, 16000, pace="fast", mode="2pass")
+    result, killed = _transcribe_killing_mid_final(service, pcm, lambda worker: [worker])
     assert killed, "the owner was killed with a final in hand"
     assert not result.errors
     assert [f["utterance"] for f in result.finals] == [0, 1]
     assert [f["text"] for f in result.finals] == [f["text"] for f in reference.finals]
     # the pool replaced the killed process
-    launcher.wait_workers(whisper_service.redis_url, 2, timeout=60)
+    launcher.wait_workers(service.redis_url, 2, timeout=60)
+
+
+@pytest.mark.parametrize("whisper_service", ["torch"], indirect=True)
+def test_a_2pass_worker_killed_with_finals_in_hand_is_invisible_to_the_client(whisper_service):
+    _kill_mid_final_is_invisible(whisper_service)
 
 
 @pytest.fixture(scope="module")
@@ -414,16 +417,7 @@ def test_2pass_partials_can_come_from_whisper_live(live_partials_service):
 
 def test_a_worker_killed_mid_final_with_whisper_live_partials_is_invisible(
         live_partials_service):
-    pcm = read_pcm("two_utterances")
-    reference = transcribe_pcm(live_partials_service.url, pcm, 16000, pace="fast",
-                               mode="2pass")
-    result, killed = _transcribe_killing_mid_final(live_partials_service, pcm,
-                                                   lambda worker: [worker])
-    assert killed, "the owner was killed with a final in hand"
-    assert not result.errors
-    assert [f["utterance"] for f in result.finals] == [0, 1]
-    assert [f["text"] for f in result.finals] == [f["text"] for f in reference.finals]
-    launcher.wait_workers(live_partials_service.redis_url, 2, timeout=60)
+    _kill_mid_final_is_invisible(live_partials_service)
 
 
 @pytest.mark.parametrize("whisper_service", ["torch"], indirect=True)
