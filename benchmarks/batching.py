@@ -43,9 +43,9 @@ from benchmarks.transport import machine  # noqa: E402
 
 def micro(sizes: list[int], repeat: int = 3) -> dict:
     """CPU seconds per clip of tiny.en's two steps at each batch size, in this process on
-    one thread: ``encode`` of the sentence fixtures in their partial window (10 s) and
+    one thread: ``encode`` of the sentence fixtures in their partial window and
     greedy ``generate`` after the same prompt; and whether any clip's tokens changed."""
-    from cosyvoice.asr.live_engine import PARTIAL_WINDOW_FLOOR_S, LiveModel
+    from cosyvoice.asr.live_engine import LiveModel
     from cosyvoice.settings import Settings
     from tests.helpers import fixture_texts
 
@@ -53,7 +53,7 @@ def micro(sizes: list[int], repeat: int = 3) -> dict:
     dec.load()
     names = sorted(fixture_texts())
     names = [names[i % len(names)] for i in range(max(sizes))]  # as many as the largest
-    clips = [dec.clip(read_fixture(n), PARTIAL_WINDOW_FLOOR_S) for n in names]
+    clips = [dec.clip(read_fixture(n), Settings().live_partial_window_s) for n in names]
     head = dec._prompt_tokens("The meeting starts at ten.")
     alone = [dec._generate(dec._encode([c]), [c], [head], 1)[0].tokens for c in clips]
     out = {}

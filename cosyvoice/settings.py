@@ -65,6 +65,10 @@ class Settings:
     # whisper-live: beam width of finals (1 is greedy); partials are always greedy. Beam 5
     # costs little more than greedy on short utterances and fixes words (docs/engines.md).
     live_beam_size: int = 5
+    # whisper-live: the shortest encoder window (s) a partial is decoded in (each gets
+    # max(this, utterance + 2 s)); tiny.en starts repeating itself in shorter windows
+    # (docs/engines.md, "Partial window").
+    live_partial_window_s: float = 7.5
     # whisper-live: an utterance longer than this ends at the first chunk that ends in a
     # pause, so no utterance outgrows Whisper's 30 s window (hard cut: max_utterance_s).
     live_pause_cut_s: float = 12.0
@@ -256,6 +260,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "engine": _one_of(*ENGINES),
     "live_partial_interval_s": _more_than(0),
     "live_beam_size": _at_least(1),
+    "live_partial_window_s": ((lambda v: 5 <= v <= 30), "seconds from 5 to 30"),
     "live_pause_cut_s": _more_than(0),
     "whisper_backend": _one_of(*WHISPER_BACKENDS),
     "whisper_threads": _at_least(1),

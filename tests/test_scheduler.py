@@ -168,11 +168,12 @@ def decoder():
 def test_a_batch_of_partials_decodes_each_clip_as_it_would_alone(decoder):
     names = ["birch", "call", "chicken", "coffee"]
     prompt = "The meeting starts at ten."
-    clips = [decoder.clip(read_pcm(n), live_engine.PARTIAL_WINDOW_FLOOR_S) for n in names]
+    floor = Settings().live_partial_window_s
+    clips = [decoder.clip(read_pcm(n), floor) for n in names]
     steps: list[int] = []
     batch = decoder.decode_partials(clips, [prompt] * len(clips), lambda: steps.append(1))
     alone = [decoder.decode(read_pcm(n), prompt, beam_size=1,
-                            floor_s=live_engine.PARTIAL_WINDOW_FLOOR_S, fallback=False)
+                            floor_s=floor, fallback=False)
              for n in names]
     assert [d.text for d in batch] == [d.text for d in alone]
     assert [d.tokens for d in batch] == [d.tokens for d in alone]

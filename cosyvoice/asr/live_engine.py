@@ -67,10 +67,9 @@ MAX_CLIP_S = FULL_WINDOW_S - 2 * PAD_S - WINDOW_MARGIN_S
 PAUSE_FRAMES = 3
 # Shortest open utterance worth a partial.
 MIN_PARTIAL_S = 0.5
-# Partials are decoded in a shorter encoder window than finals (the encoder costs about
-# half as much at 10 s as at 15 s); a degenerate partial is dropped instead of decoded
-# again (docs/engines.md).
-PARTIAL_WINDOW_FLOOR_S = 10.0
+# Partials are decoded in a shorter encoder window than finals (``live_partial_window_s``:
+# the encoder's cost grows with its window); a degenerate partial is dropped instead of
+# decoded again (docs/engines.md).
 
 
 def _norm(word: str) -> str:
@@ -152,10 +151,10 @@ class LiveModel:
 
     def _decode_partial(self, job: DecodeJob) -> Decoded:
         return self.decoder.decode(job.pcm, job.prompt, beam_size=1,
-                                   floor_s=PARTIAL_WINDOW_FLOOR_S, fallback=False)
+                                   floor_s=self.settings.live_partial_window_s, fallback=False)
 
     def _prepare(self, job: DecodeJob):
-        return self.decoder.clip(job.pcm, PARTIAL_WINDOW_FLOOR_S)
+        return self.decoder.clip(job.pcm, self.settings.live_partial_window_s)
 
     def _decode_partials(self, jobs: list[DecodeJob], between) -> list[Decoded]:
         return self.decoder.decode_partials([j.clip for j in jobs], [j.prompt for j in jobs],
