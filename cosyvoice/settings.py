@@ -44,7 +44,7 @@ class Settings:
     # ASR worker processes `serve` starts; 0 means one per core (decoding is CPU-bound).
     workers: int = 0
     # Sessions one worker process decodes at once; 0 takes the engine's own, measured on
-    # a 2-core host (docs/engines.md, "Capacity": whisper-live 5, PocketSphinx 6, 2-pass 1).
+    # a 2-core host (docs/engines.md, "Capacity": whisper-live 6, PocketSphinx 6, 2-pass 1).
     # `cosyvoice worker --calibrate` measures this host and prints the value to set here.
     # Admission control refuses sessions beyond it instead of letting latency grow.
     worker_capacity: int = 0

@@ -66,8 +66,8 @@ class EngineSpec:
 
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
-    EngineSpec("whisper-live", "live_engine:LiveModel", ("whisper-live",), capacity=5,
-               reference_cost=0.075),
+    EngineSpec("whisper-live", "live_engine:LiveModel", ("whisper-live",), capacity=6,
+               reference_cost=0.071),
     EngineSpec("pocketsphinx", "pocketsphinx_engine:PocketSphinxModel", ("pocketsphinx",),
                capacity=6, reference_cost=0.094),
     EngineSpec("2pass", "whisper_engine:TwoPassModel", ("2pass", "pocketsphinx", "whisper"),
