@@ -50,15 +50,13 @@ class Recorder:
 
 
 def finish_final(job: DecodeJob, decoded) -> None:
-    if decoded is not None:
-        job.state.prompt = f"{job.state.prompt} {decoded.text}".strip()
-        job.state.utterance += 1
-        job.after = {"prompt": job.state.prompt}
+    job.state.prompt = f"{job.state.prompt} {decoded.text}".strip()
+    job.state.utterance += 1
+    job.after = {"prompt": job.state.prompt}
 
 
 def finish_partial(job: DecodeJob, decoded) -> None:
-    if decoded is not None:
-        job.result["text"] = decoded.text
+    job.result["text"] = decoded.text
 
 
 def job(kind: str, state: StreamState, name: str, **extra) -> DecodeJob:

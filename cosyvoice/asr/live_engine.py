@@ -67,9 +67,6 @@ MAX_CLIP_S = FULL_WINDOW_S - 2 * PAD_S - WINDOW_MARGIN_S
 PAUSE_FRAMES = 3
 # Shortest open utterance worth a partial.
 MIN_PARTIAL_S = 0.5
-# Partials are decoded in a shorter encoder window than finals (``live_partial_window_s``:
-# the encoder's cost grows with its window); a degenerate partial is dropped instead of
-# decoded again (docs/engines.md).
 
 
 def _norm(word: str) -> str:
@@ -150,10 +147,13 @@ class LiveModel:
                                    words=True)
 
     def _decode_partial(self, job: DecodeJob) -> Decoded:
-        return self.decoder.decode(job.pcm, job.prompt, beam_size=1,
-                                   floor_s=self.settings.live_partial_window_s, fallback=False)
+        """One partial, decoded here: the scheduler's batch path with a batch of one."""
+        job.clip = self._prepare(job)
+        return self._decode_partials([job], None)[0]
 
     def _prepare(self, job: DecodeJob):
+        # a shorter encoder window than a final's (live_partial_window_s); a degenerate
+        # partial is dropped instead of decoded again (decode_partials)
         return self.decoder.clip(job.pcm, self.settings.live_partial_window_s)
 
     def _decode_partials(self, jobs: list[DecodeJob], between) -> list[Decoded]:
@@ -161,11 +161,9 @@ class LiveModel:
                                             between)
 
 
-def _finish_partial(job: DecodeJob, decoded: Decoded | None) -> None:
+def _finish_partial(job: DecodeJob, decoded: Decoded) -> None:
     """A partial's text and ``stable`` prefix, or dropped (no text, no change)."""
     st = job.state
-    if decoded is None:
-        return
     words = decoded.text.split()
     current = job.utterance == st.utterance  # not overtaken by its own final
     stable = agreed_prefix(st.hyp, words) if current else 0
@@ -180,11 +178,9 @@ def _finish_partial(job: DecodeJob, decoded: Decoded | None) -> None:
                       utterance=job.utterance)
 
 
-def _finish_final(job: DecodeJob, decoded: Decoded | None) -> None:
+def _finish_final(job: DecodeJob, decoded: Decoded) -> None:
     """A final's text and words; the session's prompt and utterance count move on."""
     st = job.state
-    if decoded is None:
-        return
     st.hyp, st.last_partial = [], ""
     r = job.result
     if decoded.text:
@@ -325,7 +321,7 @@ class LiveStream:
         self._model.runner.submit(job)
         if not job.done:
             return [{**job.result, "job": job}]  # the worker reads ``job`` once it is done
-        return [] if job.dropped or job.failed else [job.result]
+        return [] if job.dropped else [job.result]
 
     def _finish_and_reset(self, end_sample: int) -> list[dict]:
         out = self._finish(end_sample)

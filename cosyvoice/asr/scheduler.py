@@ -52,13 +52,14 @@ class StreamState:
 
 @dataclass
 class DecodeJob:
-    """One decode a stream asks for. ``result`` is filled in (or ``dropped``) by
-    ``finish``, which the engine gives, once the decode is done."""
+    """One decode a stream asks for. ``result`` is filled in (or the job marked
+    ``dropped``) by ``finish``, which the engine gives, once the decode is done; a job
+    dropped before it is decoded is never finished."""
     kind: str  # "partial" | "final"
     state: StreamState
     pcm: bytes
     result: dict
-    finish: Callable[["DecodeJob", Any], None]  # (job, Decoded or None when dropped)
+    finish: Callable[["DecodeJob", Any], None]  # (job, Decoded)
     clip: Any = None  # the scheduler's: the prepared audio
     prompt: str = ""  # the prompt it was decoded with
     utterance: int = 0  # the utterance it belongs to (set when it is decoded)
@@ -68,7 +69,6 @@ class DecodeJob:
     after: dict = field(default_factory=dict)  # checkpoint fields once this final is done
 
     def drop(self) -> None:
-        self.finish(self, None)
         self.dropped = self.done = True
 
 
@@ -110,7 +110,7 @@ class DecodeScheduler:
         self._partials: OrderedDict[int, DecodeJob] = OrderedDict()  # by id(state)
         self._busy = False
         self._stopping = False
-        # what it did, for the metrics and the benchmark
+        # what it did (the tests read these)
         self.batches = 0
         self.partials_decoded = 0
         self.partials_dropped = 0
@@ -192,10 +192,8 @@ class DecodeScheduler:
                 break
             if job.state.finals_in_flight:
                 continue
-            if job.clip is None:
+            if job.clip is None:  # ``first`` is the first job this line is reached with
                 job.clip = self._prepare(job)
-            if first.clip is None:
-                first.clip = self._prepare(first)
             if job.clip.window != first.clip.window:
                 continue
             del self._partials[key]

@@ -203,10 +203,10 @@ class TinyWhisper:
         """Greedy decodes of clips that share an encoder window, as one batch: each clip is
         encoded alone (on the CPU a batch of windows costs more per window, and a final may
         be decoded between two clips; docs/engines.md), then one ``generate`` runs over all
-        of them. CTranslate2 needs
-        every prompt of a batch to be as long, so each is cut to the shortest (in tokens).
-        A degenerate result is dropped, as a partial's is. ``between`` runs after each
-        step (the scheduler decodes a final there, if one is waiting)."""
+        of them. CTranslate2 needs every prompt of a batch to be as long, so each is cut to
+        the shortest (in tokens). A degenerate result is dropped, as a partial's is.
+        ``between`` runs after each step (the scheduler decodes a final there, if one is
+        waiting)."""
         self.load()
         assert len({c.window for c in clips}) == 1, "a batch shares one encoder window"
         tokens = [self._prev_tokens(p) for p in prompts]

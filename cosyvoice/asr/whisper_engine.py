@@ -321,7 +321,7 @@ class TwoPassModel:
             load()
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
-               mode: str | None = None) -> "TwoPassStream | LiveFirstPass":
+               mode: str | None = None) -> FirstPassStream:
         mode = (checkpoint or {}).get("mode") or mode or self.default_mode
         if mode not in ENGINES["2pass"].modes:
             mode = self.default_mode
@@ -333,22 +333,44 @@ class TwoPassModel:
                                                       partials=mode == "2pass"), mode)
         ps_stream = self.ps.stream(sample_rate, ps_cp)
         ps_stream.keep_audio = mode != "pocketsphinx"
-        return TwoPassStream(self, ps_stream, mode)
+        return TwoPassStream(ps_stream, mode)
 
     def transcribe(self, pcm: bytes, prompt: str = "") -> str:
         """The Whisper final of one utterance (16 kHz PCM), after the text ``prompt``."""
         return self.backend.decode([_float_audio(pcm)], prompt)[0][0]
 
 
-class TwoPassStream:
-    def __init__(self, model: TwoPassModel, ps: PocketSphinxStream, mode: str):
-        self._model = model
-        self._ps = ps
+class FirstPassStream:
+    """A 2-pass session: the first pass's stream (partials, endpoints, checkpoint) with its
+    results handed to ``_second_pass``, which marks the finals for the finals stage."""
+
+    def __init__(self, first, mode: str):
+        self._first = first
         self.mode = mode
 
     @property
     def checkpoint(self) -> dict:
-        return {**self._ps.checkpoint, "mode": self.mode}
+        return {**self._first.checkpoint, "mode": self.mode}
+
+    def _second_pass(self, results: list[dict]) -> list[dict]:
+        raise NotImplementedError
+
+    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
+        return self._second_pass(self._first.feed(pcm, sample_rate))
+
+    def flush(self) -> list[dict]:
+        return self._second_pass(self._first.flush())
+
+    def close(self) -> None:
+        self._first.close()
+
+
+class TwoPassStream(FirstPassStream):
+    """PocketSphinx's first pass: its partials, and in ``pocketsphinx`` mode its finals."""
+
+    def __init__(self, ps: PocketSphinxStream, mode: str):
+        super().__init__(ps, mode)
+        self._ps = ps
 
     def _second_pass(self, results: list[dict]) -> list[dict]:
         if self.mode == "pocketsphinx":
@@ -370,37 +392,10 @@ class TwoPassStream:
             out.append(r)
         return out
 
-    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
-        return self._second_pass(self._ps.feed(pcm, sample_rate))
 
-    def flush(self) -> list[dict]:
-        return self._second_pass(self._ps.flush())
-
-    def close(self) -> None:
-        self._ps.close()
-
-
-
-class LiveFirstPass:
-    """A 2-pass session whose partials and endpoints come from whisper-live: each final
-    goes to the finals stage with its utterance's audio, as TwoPassStream's do."""
-
-    def __init__(self, live, mode: str):
-        self._live = live
-        self.mode = mode
-
-    @property
-    def checkpoint(self) -> dict:
-        return {**self._live.checkpoint, "mode": self.mode}
+class LiveFirstPass(FirstPassStream):
+    """whisper-live's first pass (``LiveModel.first_pass``): its finals already carry their
+    utterance's audio and no text, for the finals stage, as TwoPassStream's do."""
 
     def _second_pass(self, results: list[dict]) -> list[dict]:
         return [{**r, "engine": "whisper"} if r["type"] == "final" else r for r in results]
-
-    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
-        return self._second_pass(self._live.feed(pcm, sample_rate))
-
-    def flush(self) -> list[dict]:
-        return self._second_pass(self._live.flush())
-
-    def close(self) -> None:
-        self._live.close()
