@@ -58,8 +58,9 @@ class Stack:
     """
 
     def __init__(self, processes: int = 2, env: dict[str, str] | None = None,
-                 gateway_processes: int = 1, root: Path = ROOT):
+                 gateway_processes: int = 1, root: Path = ROOT, metrics: bool = False):
         self.root = root
+        self.metrics = metrics  # the worker pools serve /metrics (``pool.metrics_url``)
         self.env = {**shell_settings(), "COSYVOICE_LOG_LEVEL": "WARNING", **(env or {})}
         self._procs: list[subprocess.Popen] = []
         self._exit = contextlib.ExitStack()
@@ -93,7 +94,7 @@ class Stack:
     def add_pool(self, processes: int) -> launcher.WorkerPool:
         """Another worker pool with the same settings, live when this returns."""
         pool = launcher.start_worker_pool(self.redis.url, processes=processes, env=self.env,
-                                          root=self.root)
+                                          root=self.root, metrics=self.metrics)
         self._procs.append(pool.proc)
         return pool
 

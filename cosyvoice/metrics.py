@@ -57,6 +57,16 @@ WORKER_SESSIONS = Gauge(
 WORKER_CAPACITY = Gauge(
     "cosyvoice_worker_capacity", "Sessions this pool's worker processes can decode at once",
     multiprocess_mode="livesum")
+DECODE_WAIT = Histogram(
+    "cosyvoice_decode_wait_seconds",
+    "whisper-live decode scheduler: from a decode's hand-over to the start of its decode "
+    "(kind: final, or partial, timed from the session's oldest waiting partial)", ["kind"],
+    buckets=(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0,
+             3.0, 5.0, 10.0))
+DECODE_BUSY = Gauge(
+    "cosyvoice_decode_busy_ratio",
+    "whisper-live decode schedulers: fraction of the time decoding, added up over the "
+    "pool's processes (at most one per process)", multiprocess_mode="livesum")
 
 # ---- both -------------------------------------------------------------------------------
 
@@ -64,7 +74,8 @@ REDIS_ERRORS = Counter(
     "cosyvoice_redis_errors", "Redis operations that failed (unreachable, timeout, error)")
 
 GATEWAY_METRICS = (SESSIONS_ACTIVE, CHUNKS_ACCEPTED, CHUNKS_REJECTED, ACK_SECONDS, REDIS_ERRORS)
-WORKER_METRICS = (DECODE_LAG, WORKER_SESSIONS, WORKER_CAPACITY, REDIS_ERRORS)
+WORKER_METRICS = (DECODE_LAG, WORKER_SESSIONS, WORKER_CAPACITY, DECODE_WAIT, DECODE_BUSY,
+                  REDIS_ERRORS)
 
 for _code in ERROR_CODES:
     CHUNKS_REJECTED.labels(_code)  # every code is exported from the start, at 0
@@ -106,6 +117,14 @@ def observe_decode_lag(entry_id: str, results: list) -> None:
 def worker_load(sessions: int, capacity: int) -> None:
     WORKER_SESSIONS.set(sessions)
     WORKER_CAPACITY.set(capacity)
+
+
+def scheduler_load(load) -> None:
+    """A decode scheduler's ``Load`` since the last call (cosyvoice/asr/scheduler.py)."""
+    DECODE_BUSY.set(load.busy)
+    for kind, waits in (("final", load.final_waits), ("partial", load.partial_waits)):
+        for wait in waits:
+            DECODE_WAIT.labels(kind).observe(wait)
 
 
 class _Only:

@@ -83,6 +83,16 @@ class Settings:
     # scheduler, each session decodes in the worker's loop, one after the other (the
     # unbatched baseline of benchmarks/batching.py; docs/engines.md, "Decode scheduler").
     decode_batch: int = 4
+    # whisper-live with the decode scheduler and no COSYVOICE_WORKER_CAPACITY: the capacity
+    # a worker process advertises follows its scheduler (cosyvoice/asr/admission.py,
+    # docs/engines.md "Admission"): it admits no new session while the P95 of its finals'
+    # waits in the decode queue (hand-over to the start of the decode) is over
+    # final_wait_target_ms or that of its sessions' waits for a partial decode over
+    # partial_wait_target_ms, and otherwise fills up to the sessions that keep the
+    # scheduler busy decode_busy_target of the time.
+    final_wait_target_ms: int = 300
+    partial_wait_target_ms: int = 400
+    decode_busy_target: float = 0.6
     # 2pass engine: where the partials (and endpoints) of the "2pass" and "whisper" modes
     # come from: "whisper-live" (Whisper tiny.en: 0.65x the CPU of PocketSphinx's, measured
     # in docs/engines.md, "2-pass partials") or "pocketsphinx"; the finals are Whisper base
@@ -268,6 +278,9 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "compute_type": _one_of("auto", "int8", "int8_float32", "int8_float16", "int8_bfloat16",
                             "int16", "float16", "bfloat16", "float32"),
     "decode_batch": _at_least(0),
+    "final_wait_target_ms": _at_least(1),
+    "partial_wait_target_ms": _at_least(1),
+    "decode_busy_target": ((lambda v: 0 < v <= 1), "a fraction above 0, at most 1"),
     "twopass_partials": _one_of("pocketsphinx", "whisper-live"),
     "finals_nice": ((lambda v: 0 <= v <= 19), "a niceness from 0 to 19"),
     "whisper_window_floor_s": ((lambda v: v == 0 or 1 <= v <= 30), "0, or seconds from 1 to 30"),

@@ -26,6 +26,7 @@ import redis
 from . import bus as busmod
 from . import finals, metrics, sweeper
 from .asr import Model, Stream, capacity_of
+from .asr.admission import Admission, Targets
 from .backoff import Backoff
 from .protocol import parse_stored
 from .settings import Settings
@@ -51,6 +52,9 @@ ROUND_PACE_MAX_S = 0.02
 # A draining worker waits this long for the finals in hand before it hands sessions over
 # (whatever is not done by then is decoded again by the next owner).
 HANDOVER_FINALS_S = 10.0
+# A capacity that follows the scheduler stays within this many times the engine's
+# measured one (or --calibrate's): a guard against a cost estimate gone wrong
+ADMISSION_CEILING = 2
 # How long one XREAD waits while finals are being decoded: their results are published
 # between reads.
 FINALS_BLOCK_MS = 10
@@ -124,6 +128,14 @@ class Worker:
         start = getattr(model, "start_scheduler", None)
         self.scheduler = (start(settings.decode_batch)
                           if start is not None and settings.decode_batch > 0 else None)
+        # its capacity then follows what the scheduler serves (cosyvoice/asr/admission.py),
+        # unless COSYVOICE_WORKER_CAPACITY fixes it
+        self.admission = (
+            Admission(self.capacity, ADMISSION_CEILING * self.capacity,
+                      Targets(settings.final_wait_target_ms / 1000,
+                              settings.partial_wait_target_ms / 1000,
+                              settings.decode_busy_target))
+            if self.scheduler is not None and not settings.worker_capacity else None)
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -238,8 +250,25 @@ class Worker:
             else:
                 log.warning("lost the lease of session %s", sid, extra={"session": sid})
         self.bus.touch_announcements(self.id, [s.announcement for s in self.sessions.values()])
+        if self.scheduler is not None:
+            self._follow_scheduler()
         self.bus.heartbeat(self.id, self.capacity, self.settings.lease_ttl_ms)
         metrics.worker_load(len(self.sessions), self.capacity)
+
+    def _follow_scheduler(self) -> None:
+        """Export the scheduler's load; with admission following it, set the capacity."""
+        assert self.scheduler is not None
+        load = self.scheduler.sample()
+        metrics.scheduler_load(load)
+        if self.admission is None:
+            return
+        before = self.capacity
+        self.capacity = self.admission.update(len(self.sessions), load.busy,
+                                              load.final_waits, load.partial_waits)
+        if self.capacity != before:
+            log.info("capacity %d -> %d (%s; %d sessions, busy %.2f a session)", before,
+                     self.capacity, self.admission.reason, len(self.sessions),
+                     self.admission.cost or 0.0)
 
     def _adopt(self, ann: busmod.Announcement) -> None:
         if ann.sid in self.sessions:

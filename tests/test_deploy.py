@@ -295,6 +295,7 @@ def _worker_totals(stack: Stack) -> dict[str, float]:
 
 
 def test_worker_metrics_show_load_capacity_and_decode_lag(stack):
+    partial_waits = 'cosyvoice_decode_wait_seconds_count{kind="partial"}'
     before = _worker_totals(stack)
     assert before["cosyvoice_worker_capacity"] == 2 * CAPACITY  # two pools of one process
     assert "cosyvoice_chunks_accepted_total" not in str(before), "gateway metrics stay on gateways"
@@ -308,6 +309,9 @@ def test_worker_metrics_show_load_capacity_and_decode_lag(stack):
         wait_for(lambda: _worker_totals(stack)["cosyvoice_worker_sessions"] == 1, timeout=20)
         wait_for(lambda: _worker_totals(stack)["cosyvoice_decode_lag_seconds_count"]
                  > before["cosyvoice_decode_lag_seconds_count"], timeout=20)
+        # the decode scheduler's queue, exported at the next lease renewal
+        wait_for(lambda: _worker_totals(stack).get(partial_waits, 0)
+                 > before.get(partial_waits, 0), timeout=20)
     finally:
         stream.close(stop=True)
     after = _worker_totals(stack)

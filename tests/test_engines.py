@@ -303,3 +303,49 @@ def test_the_pool_admits_the_engines_capacity_unless_told(fresh_redis, fresh_red
         finally:
             launcher.stop(pool.proc)
             fresh_redis_client.flushall()
+
+
+def test_a_worker_admits_what_its_decode_scheduler_measures(fresh_redis, fresh_redis_client,
+                                                            artifacts):
+    """whisper-live without a fixed capacity: the capacity the worker advertises follows
+    its scheduler (cosyvoice/asr/admission.py). Told to keep its scheduler busy at most 1 %
+    of the time, a worker decoding one real-time session measures that one already costs
+    more and drops to a capacity of 1: the next session is refused as overloaded, and the
+    first goes on to its transcript."""
+    import threading
+    import time
+
+    from cosyvoice import bus as busmod
+    from cosyvoice.client import Refused, StreamingClient
+
+    from . import launcher
+    svc = launcher.start_service(fresh_redis.url, processes=1, logs=artifacts,
+                                 name="admission-follows", env={
+                                     "COSYVOICE_DECODE_BUSY_TARGET": "0.01",
+                                     "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"})
+    bus = busmod.Bus(fresh_redis_client)
+    first = StreamingClient(svc.url)
+    try:
+        assert [w["capacity"] for w in bus.live_workers()] == [ENGINES["whisper-live"].capacity]
+        first.connect()
+        streaming = threading.Thread(target=first.stream_pcm, args=(read_pcm("harvard_long"),
+                                                                    16000),
+                                     kwargs={"pace": "realtime"})
+        streaming.start()
+        deadline = time.monotonic() + 40
+        while [w["capacity"] for w in bus.live_workers()] != [1]:
+            assert time.monotonic() < deadline, bus.live_workers()
+            time.sleep(0.2)
+        second = StreamingClient(svc.url)
+        try:
+            with pytest.raises(Refused) as refused:
+                second.connect(overload_retries=0)
+            assert refused.value.code == "overloaded"
+        finally:
+            second.close()
+        streaming.join(120)
+        first.wait_end(60)
+        assert wer(reference("harvard_long"), first.result.text) < 0.15
+    finally:
+        first.close()
+        svc.stop()

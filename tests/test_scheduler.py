@@ -272,3 +272,103 @@ def test_the_torch_backend_takes_the_same_device_setting():
     assert model_data.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     assert model_data.resolve_device("cpu") == "cpu"
     assert model_data.resolve_device("cuda") == "cuda"
+
+
+# ---- admission that follows the scheduler (cosyvoice/asr/admission.py) ------------------
+
+
+@pytest.mark.fast
+def test_the_scheduler_reports_its_busy_time_and_each_decodes_wait():
+    rec = Recorder()
+    sched = DecodeScheduler(rec.final, rec.prepare, rec.partials, max_batch=4)
+    a, b, c = (StreamState() for _ in range(3))
+    try:
+        sched.sample()  # from now on
+        a1 = job("partial", a, "a1")
+        sched.submit(a1)
+        assert rec.started.wait(WAIT_S)  # a1's batch holds the thread until the gate opens
+        b1 = job("partial", b, "b1")
+        sched.submit(b1)
+        time.sleep(0.1)
+        b2 = job("partial", b, "b2")  # replaces b1: b has waited for a partial since b1
+        c_final = job("final", c, "C")
+        sched.submit(b2)
+        sched.submit(c_final)
+        time.sleep(0.2)
+        rec.gate.set()
+        wait_done([a1, b2, c_final])
+        assert sched.wait_idle(WAIT_S)
+        load = sched.sample()
+        idle = sched.sample()
+    finally:
+        sched.stop()
+    assert b2.submitted == b1.submitted
+    assert len(load.final_waits) == 1 and load.final_waits[0] >= 0.2
+    assert len(load.partial_waits) == 2  # a1 and b2; b1 was never decoded
+    assert max(load.partial_waits) >= 0.3  # b: from b1's hand-over to b2's decode
+    assert 0.5 <= load.busy <= 1.0  # the gate held the thread busy for most of the sample
+    assert idle.final_waits == idle.partial_waits == [] and idle.busy < 0.5
+
+
+W = 10  # waits a sample: enough to judge (admission.MIN_WAITS)
+
+
+def targets(final_s: float = 0.3, partial_s: float = 1.0, busy: float = 0.7):
+    from cosyvoice.asr.admission import Targets
+    return Targets(final_s, partial_s, busy)
+
+
+@pytest.mark.fast
+def test_admission_over_target_stops_admitting_and_sheds_nobody():
+    from cosyvoice.asr.admission import MIN_WAITS, Admission
+    assert W >= MIN_WAITS
+    adm = Admission(start=6, ceiling=12, targets=targets())
+    assert adm.update(4, 0.4, [0.1] * W, [0.5] * W) == 6  # within target: unchanged
+    assert adm.update(6, 0.9, [0.5] * 2 * W, [0.5] * W) == 5  # finals over target
+    assert adm.reason == "over target"
+    assert adm.update(6, 0.9, [0.5] * W, []) == 5  # still over: holds, sheds nobody
+    assert adm.update(5, 0.9, [0.5] * W, []) == 4  # a session ended: one less again
+    one = Admission(start=6, ceiling=12, targets=targets())
+    assert one.update(1, 0.5, [], [2.0] * W) == 1  # partials over target; never below 1
+
+
+@pytest.mark.fast
+def test_admission_within_target_grows_one_at_a_time_to_the_measured_fit():
+    from cosyvoice.asr.admission import Admission
+    adm = Admission(start=6, ceiling=9, targets=targets(busy=0.7))
+    # 6 sessions keep the scheduler busy 30 % of the time: 0.05 a session, 14 would fit
+    seen = [adm.update(adm.capacity, 0.05 * adm.capacity, [0.1] * W, [0.4] * W)
+            for _ in range(9)]
+    # the cost is known after 5 samples; then one more a renewal while full, to the ceiling
+    assert seen == [6, 6, 6, 6, 7, 8, 9, 9, 9]
+    assert adm.update(3, 0.15, [0.1] * W, [0.4] * W) == 9  # not full: no reason to grow
+    # the host slows down (0.2 a session): once that is most of the window, the fit is 3
+    for _ in range(10):
+        adm.update(3, 0.6, [0.1] * W, [0.4] * W)
+    assert adm.capacity == 3 and adm.reason == "fit"
+    # idle: keeps its capacity, forgets the waits of the sessions gone
+    assert adm.update(0, 0.0, [], []) == 3 and not adm.finals and not adm.partials
+
+
+@pytest.mark.fast
+def test_admission_settles_where_a_queueing_scheduler_meets_its_target():
+    """A scheduler whose final wait grows as an M/M/1 queue's with its load, offered more
+    sessions than it can serve: the capacity settles at the most sessions within the target
+    and stays there, trying one more ever less often."""
+    from cosyvoice.asr.admission import Admission
+    service_s, cost = 0.08, 0.09  # a final's decode; busy fraction a session adds
+
+    def wait(n: int) -> float:
+        rho = min(0.99, n * cost)
+        return service_s / (1 - rho)
+
+    best = max(n for n in range(1, 12) if wait(n) <= 0.3)
+    adm = Admission(start=2, ceiling=20, targets=targets(final_s=0.3, busy=0.95))
+    seen = []
+    for _ in range(200):
+        n = adm.capacity  # the gateway fills every free place
+        seen.append(adm.update(n, min(1.0, n * cost), [wait(n)] * W, [0.5] * W))
+    assert best == 8 and seen.index(best) < 20  # from 2, one a renewal
+    tail = seen[-100:]
+    assert set(tail) <= {best, best + 1}  # never below the best
+    assert tail.count(best + 1) <= 2  # a probe at 9 every 40, then 80, then 160 renewals

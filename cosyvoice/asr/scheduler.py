@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -67,9 +68,23 @@ class DecodeJob:
     failed: bool = False
     dropped: bool = False
     after: dict = field(default_factory=dict)  # checkpoint fields once this final is done
+    # when the session began to wait for it (a partial that replaced a waiting one keeps
+    # that one's time: the session has waited for a fresh partial since then)
+    submitted: float = 0.0
 
     def drop(self) -> None:
         self.dropped = self.done = True
+
+
+@dataclass
+class Load:
+    """What a scheduler did between two ``sample`` calls: the fraction of the wall time
+    it was decoding, and how long each final and each decoded partial waited in the queue,
+    from hand-over to the start of its decode (seconds; a decode's own length depends on
+    its audio, the wait on the load)."""
+    busy: float
+    final_waits: list[float]
+    partial_waits: list[float]
 
 
 class Inline:
@@ -115,15 +130,22 @@ class DecodeScheduler:
         self.partials_decoded = 0
         self.partials_dropped = 0
         self.finals_decoded = 0
+        # what it did since the last ``sample`` (admission reads it: cosyvoice/asr/admission.py)
+        self._busy_s = 0.0
+        self._sampled = time.monotonic()
+        self._waits: dict[str, list[float]] = {"final": [], "partial": []}
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
         self._thread.start()
 
     # ---- the loop's side --------------------------------------------------------------
 
     def submit(self, job: DecodeJob) -> None:
+        job.submitted = time.monotonic()
         with self._cond:
             key = id(job.state)
             stale = self._partials.pop(key, None)
+            if stale is not None and job.kind == "partial":
+                job.submitted = stale.submitted
             if job.kind == "final":
                 job.state.finals_in_flight += 1
                 self._finals.append(job)
@@ -148,6 +170,20 @@ class DecodeScheduler:
             return self._cond.wait_for(
                 lambda: not (self._busy or self._finals or self._partials), timeout_s)
 
+    def sample(self) -> Load:
+        """The scheduler's load since the last call (one caller: the worker's loop)."""
+        now = time.monotonic()
+        with self._cond:
+            busy_s, self._busy_s = self._busy_s, 0.0
+            waits, self._waits = self._waits, {"final": [], "partial": []}
+            wall, self._sampled = now - self._sampled, now
+        return Load(min(1.0, busy_s / wall) if wall > 0 else 0.0,
+                    waits["final"], waits["partial"])
+
+    def _waited(self, job: DecodeJob, started: float) -> None:
+        with self._cond:
+            self._waits[job.kind].append(started - job.submitted)
+
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
@@ -169,10 +205,13 @@ class DecodeScheduler:
                 self._busy = True
                 final = self._finals.popleft() if self._finals else None
                 batch = [] if final is not None else self._take_partials()
+            started = time.monotonic()
             if final is not None:
                 self._final(final)
             else:
                 self._partial_batch(batch)
+            with self._cond:
+                self._busy_s += time.monotonic() - started
 
     def _ready_partial(self) -> DecodeJob | None:
         for job in self._partials.values():
@@ -213,6 +252,7 @@ class DecodeScheduler:
 
     def _final(self, job: DecodeJob) -> None:
         st = job.state
+        started = time.monotonic()
         try:
             if st.cancelled:
                 job.drop()
@@ -227,12 +267,14 @@ class DecodeScheduler:
             job.finish(job, decoded)
             job.done = True
             self.finals_decoded += 1
+            self._waited(job, started)
         finally:
             with self._cond:
                 st.finals_in_flight -= 1
                 self._cond.notify_all()
 
     def _partial_batch(self, batch: list[DecodeJob]) -> None:
+        started = time.monotonic()
         live = [j for j in batch if not j.state.cancelled]
         for job in batch:
             if job.state.cancelled:
@@ -251,3 +293,4 @@ class DecodeScheduler:
             job.finish(job, out)
             job.done = True
             self.partials_decoded += 1
+            self._waited(job, started)

@@ -1,0 +1,235 @@
+"""Admission that follows the decode scheduler, against a fixed capacity, in one run.
+
+Each scenario is a fresh stack (embedded Redis, gateway, ``--workers`` whisper-live worker
+processes) offered more real-time clients than it can serve (``--offered``, replaying the
+fixtures as benchmarks/engines.py's service level does, for ``--seconds``). A refused
+client waits the ``retry_after_ms`` the refusal hints and tries again. Scenarios:
+
+- ``fixed``: ``COSYVOICE_WORKER_CAPACITY`` = the engine's measured capacity (6 a process;
+  ``fixed=N``: N);
+- ``scheduler``: no ``COSYVOICE_WORKER_CAPACITY``, the capacity follows the scheduler
+  (cosyvoice/asr/admission.py);
+
+each on the quiet host and with ``--hog`` CPU-bound processes running beside the service
+(a host whose cores are shared with other work: what a fixed capacity cannot know).
+
+Per scenario: sessions decoding, the capacity the workers advertise (their heartbeats,
+sampled every second: mean, and min/max after the first 10 s) and the schedulers' busy
+fraction (added up), sessions refused, partial and final latency P50/P95 of the sessions
+admitted, the same P95s for the sessions admitted after the first 20 s (the steady state:
+a capacity learnt, not the one it started with) and whether final P95 < 800 ms and
+partial P95 < 1.5 s hold for them, and the schedulers' queue waits (P95 from the pool's
+``cosyvoice_decode_wait_seconds``).
+
+    python benchmarks/admission.py [--offered 20] [--workers 2] [--seconds 60] [--hog 1]
+        [--scenarios fixed,scheduler,fixed+hog,scheduler+hog] [--json-out F]
+
+About 7 minutes with the defaults on a 2-core machine; every run stays under 15 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.engines import (  # noqa: E402
+    CHUNK_S,
+    Client,
+    _dist,
+    groups,
+    meets,
+)
+from benchmarks.stack import Stack  # noqa: E402
+from benchmarks.transport import machine  # noqa: E402
+from cosyvoice import bus as busmod  # noqa: E402
+from cosyvoice.asr import ENGINES  # noqa: E402
+from cosyvoice.client import Refused, StreamingClient  # noqa: E402
+
+WARMUP_S = 10.0  # capacity samples before this are left out of its min and max
+STEADY_AFTER_S = 20.0  # latency of the sessions admitted from then on: the steady state
+
+
+class OfferedClient(Client):
+    """A microphone that keeps asking: refused, it waits as hinted and asks again."""
+
+    def __init__(self, *args: Any, steady_after: float = 0.0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.refusals = 0
+        self.steady_after = steady_after  # sessions admitted from then on are the steady state
+        self.steady_partial_ms: list[float] = []
+        self.steady_final_ms: list[float] = []
+        self._steady = False
+
+    def _connect(self, c: StreamingClient) -> bool:
+        try:
+            c.connect(overload_retries=0)
+        except Refused as exc:
+            if exc.code != "overloaded":
+                raise
+            self.refusals += 1
+            hint = c.result.refusals[-1] if c.result.refusals else {}
+            time.sleep(min(2.0, hint.get("retry_after_ms", 1000) / 1000))
+            return False
+        self._steady = time.monotonic() >= self.steady_after
+        return True
+
+    def _collect(self, c: StreamingClient, last_seq: int) -> None:
+        n_partial, n_final = len(self.partial_ms), len(self.final_ms)
+        super()._collect(c, last_seq)
+        if self._steady:
+            self.steady_partial_ms.extend(self.partial_ms[n_partial:])
+            self.steady_final_ms.extend(self.final_ms[n_final:])
+
+
+def waits_p95(metrics_url: str) -> dict[str, float | None]:
+    """P95 (ms) of the schedulers' decode waits, from the pool's histogram (linear within
+    a bucket)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    buckets: dict[str, list[tuple[float, float]]] = {"final": [], "partial": []}
+    for family in text_string_to_metric_families(text):
+        if family.name != "cosyvoice_decode_wait_seconds":
+            continue
+        for s in family.samples:
+            if s.name.endswith("_bucket") and s.labels.get("kind") in buckets:
+                buckets[s.labels["kind"]].append((float(s.labels["le"]), s.value))
+    out: dict[str, float | None] = {}
+    for kind, rows in buckets.items():
+        rows.sort()
+        total = rows[-1][1] if rows else 0
+        if not total:
+            out[kind] = None
+            continue
+        want, low, below = 0.95 * total, 0.0, 0.0
+        for le, count in rows:
+            if count >= want:
+                if math.isinf(le):
+                    out[kind] = round(low * 1000)
+                else:
+                    share = (want - below) / (count - below) if count > below else 1.0
+                    out[kind] = round((low + share * (le - low)) * 1000)
+                break
+            low, below = le, count
+    return out
+
+
+def busy_now(metrics_url: str) -> float:
+    """The pool's schedulers' busy fraction, added up over its processes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text)
+               if f.name == "cosyvoice_decode_busy_ratio" for s in f.samples)
+
+
+def run(scenario: str, offered: int, workers: int, seconds: float, hogs: int) -> dict:
+    kind = scenario.split("+")[0]
+    env = {"COSYVOICE_ENGINE": "whisper-live", "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
+    if kind.startswith("fixed"):  # "fixed" or "fixed=N" (N a process)
+        _, _, n = kind.partition("=")
+        env["COSYVOICE_WORKER_CAPACITY"] = n or str(ENGINES["whisper-live"].capacity)
+    texts = {k: v for group in groups().values() for k, v in group.items()}
+    hog_procs = []
+    if scenario.endswith("+hog"):
+        hog_procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                     for _ in range(hogs)]
+    samples: list[tuple[float, int, int, float]] = []  # (t, sessions, capacity, busy)
+    try:
+        with Stack(processes=workers, env=env, metrics=True) as stack:
+            bus = busmod.Bus(stack.client, 1000)
+            start = time.monotonic()
+            deadline = start + seconds
+            stop = threading.Event()
+
+            def sample() -> None:
+                assert stack.pool.metrics_url is not None
+                while not stop.wait(1.0):
+                    live = bus.live_workers()
+                    samples.append((time.monotonic() - start, sum(w["load"] for w in live),
+                                    sum(w["capacity"] for w in live),
+                                    busy_now(stack.pool.metrics_url)))
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            clients = [OfferedClient(stack.url, deadline, seed=k, texts=texts,
+                                     steady_after=start + STEADY_AFTER_S)
+                       for k in range(offered)]
+            for client in clients:
+                client.start()
+                time.sleep(CHUNK_S / offered)
+            for client in clients:
+                client.join(seconds + 120)
+            stop.set()
+            sampler.join(5)
+            assert stack.pool.metrics_url is not None
+            waits = waits_p95(stack.pool.metrics_url)
+    finally:
+        for p in hog_procs:
+            p.kill()
+            p.wait(10)
+    steady = [s for s in samples if WARMUP_S <= s[0] <= seconds] or samples
+    errors = [e for c in clients for e in c.errors]
+    level: dict[str, Any] = {
+        "scenario": scenario, "offered": offered,
+        "completed_sessions": sum(c.sessions for c in clients),
+        "refusals": sum(c.refusals for c in clients),
+        "decoding_mean": round(sum(s[1] for s in steady) / max(1, len(steady)), 1),
+        "capacity_mean": round(sum(s[2] for s in steady) / max(1, len(steady)), 1),
+        "busy_mean": round(sum(s[3] for s in steady) / max(1, len(steady)), 2),
+        "capacity_min_max": [min((s[2] for s in steady), default=0),
+                             max((s[2] for s in steady), default=0)],
+        "partial_ms": _dist([x for c in clients for x in c.partial_ms]),
+        "final_ms": _dist([x for c in clients for x in c.final_ms]),
+        "steady_partial_ms": _dist([x for c in clients for x in c.steady_partial_ms]),
+        "steady_final_ms": _dist([x for c in clients for x in c.steady_final_ms]),
+        "scheduler_wait_p95_ms": waits,
+        "errors": sorted(set(errors)), "error_count": len(errors),
+    }
+    level["meets"] = meets(errors, level["steady_partial_ms"], level["steady_final_ms"])
+    return level
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--offered", type=int, default=20)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--hog", type=int, default=1)
+    ap.add_argument("--scenarios", default="fixed,scheduler,fixed+hog,scheduler+hog")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    report: dict[str, Any] = {"machine": machine(), "args": vars(args), "scenarios": []}
+    for scenario in args.scenarios.split(","):
+        level = run(scenario, args.offered, args.workers, args.seconds, args.hog)
+        report["scenarios"].append(level)
+        print(json.dumps(level), file=sys.stderr, flush=True)
+    print("| scenario | decoding (mean) | capacity mean [min, max] | schedulers busy | refusals "
+          "| partial P50 / P95 ms | final P50 / P95 ms | steady partial / final P95 ms "
+          "| queue wait P95 final / partial ms | meets (steady) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in report["scenarios"]:
+        p, f, w = r["partial_ms"], r["final_ms"], r["scheduler_wait_p95_ms"]
+        print(f"| {r['scenario']} | {r['decoding_mean']} | {r['capacity_mean']} "
+              f"{r['capacity_min_max']} | {r['busy_mean']} | {r['refusals']} | "
+              f"{p.get('p50')} / {p.get('p95')} | "
+              f"{f.get('p50')} / {f.get('p95')} | {r['steady_partial_ms'].get('p95')} / "
+              f"{r['steady_final_ms'].get('p95')} | {w.get('final')} / {w.get('partial')} | "
+              f"{'yes' if r['meets'] else 'no'} |")
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

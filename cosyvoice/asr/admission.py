@@ -1,0 +1,137 @@
+"""How many sessions a worker process with a decode scheduler admits: what its scheduler
+serves within the latency targets, measured while it runs.
+
+A fixed capacity (``EngineSpec.capacity``, or ``cosyvoice worker --calibrate``) is right
+only on the host and the load it was measured with: a host whose cores are shared with
+other work, longer utterances or a slower model all change what a process can serve. A
+whisper-live worker process instead reads its scheduler's load (``DecodeScheduler.sample``)
+at every lease renewal and advertises the capacity this module computes from it:
+
+- **Over target, step down.** If the 95th percentile of the recent finals' queue waits
+  (hand-over to the start of their decode) is over ``final_wait_s``, or that of the
+  partials' (a session asking for a partial to its decode starting) over
+  ``partial_wait_s``, the capacity drops to one less than the sessions it decodes (at
+  least 1). Nobody is shed: the process admits no new session until it is back within the
+  targets, and its sessions end in their own time. That many sessions is not tried again
+  for ``HOLD`` renewals, twice as long each time it is over target again.
+- **Within target, fill up to the measured fit.** Each session's share of the
+  scheduler's time (busy fraction / sessions over the last ``COST_WINDOW`` samples) gives
+  how many sessions keep the scheduler at ``busy`` (the fit). While the process is full
+  and within target, the capacity grows by one towards the fit once ``MIN_WAITS`` finals
+  were measured at the current load, so a new session's cost shows before the next is
+  admitted; where the fit is below the capacity (a slower host, longer utterances), it
+  drops to the fit.
+- Between 1 and ``ceiling``; an idle process keeps the capacity it had (it starts with the
+  engine's measured capacity). Every change starts a new window of waits.
+
+A wait in the queue, not a decode's length, is the signal: a long utterance's final takes
+longer to decode at any load, while the queue grows with the load alone.
+
+The targets are the scheduler's share of the service's latency targets (final P95 800 ms,
+partial P95 1.5 s end to end; the rest is the endpointer's silence, the front end and
+Redis), measured with ``benchmarks/admission.py`` (docs/engines.md, "Admission").
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+WINDOW = 40  # recent waits of each kind the percentiles are taken over
+MIN_WAITS = 10  # fewer than this say nothing yet (the P95 of 5 is their maximum)
+COST_WINDOW = 10  # recent samples the cost of a session is taken over
+MIN_SAMPLES = 5  # samples with sessions before the cost says anything
+HOLD = 10  # renewals before trying again a capacity that was over target; doubled each
+MAX_HOLD = 160  # time it is over target again, up to this
+
+
+@dataclass(frozen=True)
+class Targets:
+    final_wait_s: float  # P95 of a final's hand-over to decoded
+    partial_wait_s: float  # P95 of a session's wait for a fresh partial
+    busy: float  # the scheduler's busy fraction the fit aims at
+
+
+def p95(values) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+class Admission:
+    """The capacity of one worker process, updated from its scheduler's load."""
+
+    def __init__(self, start: int, ceiling: int, targets: Targets):
+        self.ceiling = max(1, ceiling)
+        self.capacity = max(1, min(start, self.ceiling))
+        self.targets = targets
+        self.finals: deque[float] = deque(maxlen=WINDOW)
+        self.partials: deque[float] = deque(maxlen=WINDOW)
+        self.loads: deque[tuple[float, int]] = deque(maxlen=COST_WINDOW)  # (busy, sessions)
+        self.reason = "start"
+        self.over_at: int | None = None  # the fewest sessions last seen over target
+        self.hold = 0  # renewals before the capacity may reach ``over_at`` again
+        self.next_hold = HOLD
+
+    def over(self) -> bool:
+        t = self.targets
+        return ((len(self.finals) >= MIN_WAITS and p95(self.finals) > t.final_wait_s)
+                or (len(self.partials) >= MIN_WAITS and p95(self.partials) > t.partial_wait_s))
+
+    def measured(self) -> bool:
+        """Enough finals at the current load to judge it (partials come several times as
+        often, so they are always enough by then)."""
+        return len(self.finals) >= MIN_WAITS
+
+    @property
+    def cost(self) -> float | None:
+        """The scheduler's busy fraction a session adds, over the recent samples."""
+        if len(self.loads) < MIN_SAMPLES:
+            return None
+        return sum(b for b, _ in self.loads) / sum(n for _, n in self.loads)
+
+    def fit(self) -> int | None:
+        cost = self.cost
+        if cost is None:
+            return None
+        return max(1, math.floor(self.targets.busy / cost)) if cost > 0 else self.ceiling
+
+    def _set(self, capacity: int, reason: str) -> int:
+        """A new capacity: the waits so far were of the old load."""
+        if capacity != self.capacity:
+            self.capacity, self.reason = capacity, reason
+            self.finals.clear()
+            self.partials.clear()
+        return self.capacity
+
+    def update(self, sessions: int, busy: float, final_waits: list[float],
+               partial_waits: list[float]) -> int:
+        """The capacity after one sample: ``busy`` fraction of the time decoding, the
+        waits of the decodes done since the last sample, with ``sessions`` decoded."""
+        self.finals.extend(final_waits)
+        self.partials.extend(partial_waits)
+        self.hold = max(0, self.hold - 1)
+        if sessions == 0:
+            self.finals.clear()  # the next sessions' waits say what they cost
+            self.partials.clear()
+            return self.capacity
+        self.loads.append((busy, sessions))
+        if self.over():
+            # not again soon, and each time it fails there, later
+            self.over_at = sessions if self.over_at is None else min(self.over_at, sessions)
+            self.hold, self.next_hold = self.next_hold, min(MAX_HOLD, 2 * self.next_hold)
+            return self._set(max(1, min(self.capacity, sessions - 1)), "over target")
+        fit = self.fit()
+        if fit is None:
+            return self.capacity
+        if fit < self.capacity:
+            return self._set(max(1, min(fit, self.ceiling)), "fit")
+        if not self.measured():
+            return self.capacity
+        if self.over_at is not None and sessions >= self.over_at:
+            self.over_at, self.next_hold = None, HOLD  # held there: that level is fine now
+        grow = sessions >= self.capacity and self.capacity < min(fit, self.ceiling)
+        if grow and (self.over_at is None or self.capacity + 1 < self.over_at
+                     or self.hold == 0):
+            return self._set(self.capacity + 1, "room")
+        return self.capacity
