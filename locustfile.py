@@ -40,7 +40,7 @@ import time
 import gevent
 from locust import User, constant, events, task
 
-from cosyvoice.audio import read_wav, split_chunks
+from cosyvoice.audio import read_audio, split_chunks
 from cosyvoice.client import StreamingClient, TranscribeError
 from cosyvoice.protocol import NAMESPACE
 
@@ -162,10 +162,10 @@ class SpeechUser(User):
         opts = self.environment.parsed_options
         files = sorted(glob.glob(opts.speech if opts else
                                  os.path.join(ROOT, "tests", "fixtures", "*.wav")))
-        # 16 kHz only: every chunk is then exactly 200 ms (6400 bytes).
-        self.audio = [pcm for pcm, rate in map(read_wav, files) if rate == 16000]
+        # read at 16 kHz: every chunk is then exactly 200 ms (6400 bytes).
+        self.audio = [read_audio(f)[0] for f in files]
         if not self.audio:
-            raise RuntimeError("no 16 kHz speech files matched --speech")
+            raise RuntimeError("no speech files matched --speech")
         self.utterances = max(1, opts.utterances if opts else 3)
         self.token = (opts.token if opts else "") or None
         if not self.host:

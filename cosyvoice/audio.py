@@ -1,84 +1,65 @@
-"""Reading WAV files into 16-bit mono PCM at a supported rate, and chunking it."""
+"""Reading audio files into 16-bit mono PCM at a supported rate, and chunking it.
+
+``read_audio`` decodes any format FFmpeg reads (WAV of any layout, FLAC, MP3, Ogg/Opus,
+M4A/AAC, WebM, ...) with PyAV, whose wheel carries FFmpeg and its codecs, and resamples it
+to 16 kHz mono with FFmpeg's resampler (channels are mixed down).
+"""
 
 from __future__ import annotations
 
-import struct
-import wave
+import io
 from pathlib import Path
+from typing import BinaryIO
 
-import numpy as np
-
-from .protocol import SUPPORTED_RATES, chunk_bytes
+from .protocol import chunk_bytes
 
 
 class AudioFileError(ValueError):
     """An input file that cannot be read as audio; the message says why, in one line."""
 
 
-# Names of the WAV encodings people meet, for the message that refuses them.
-_WAV_FORMATS = {3: "32-bit float", 6: "A-law", 7: "mu-law", 0xFFFE: "extensible"}
+def read_audio(source: str | Path | BinaryIO) -> tuple[bytes, int]:
+    """(pcm, 16000): the first audio stream of ``source`` (a path, or a binary file such as
+    standard input's buffer), decoded, mixed down to mono and resampled to 16 kHz.
+    Raises AudioFileError, with one line saying why, for anything that is not audio."""
+    import av
 
-
-def read_wav(path: str | Path) -> tuple[bytes, int]:
-    """(pcm, rate): 16-bit little-endian mono PCM at a rate the service accepts.
-
-    Reads integer PCM WAV of 8, 16, 24 or 32 bits, any channels, any rate: channels are
-    averaged and rates the service does not accept are resampled to 16 kHz. Anything
-    else raises AudioFileError.
-    """
+    name = source if isinstance(source, (str, Path)) else "standard input"
+    if not isinstance(source, (str, Path)):
+        source = io.BytesIO(source.read())  # FFmpeg seeks; a pipe cannot
     try:
-        with wave.open(str(path), "rb") as w:
-            width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
-            raw = w.readframes(w.getnframes())
-    except OSError as exc:
-        raise AudioFileError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except wave.Error as exc:
-        raise AudioFileError(_wav_error(path, exc)) from exc
-    except (EOFError, struct.error) as exc:
-        raise AudioFileError(_short_file(path)) from exc
-    if channels < 1 or rate < 1:
-        raise AudioFileError(f"{path}: a WAV header with {channels} channels at {rate} Hz")
-    x = _samples(raw, width)
-    x = x[:len(x) - len(x) % channels].reshape(-1, channels).mean(axis=1)
-    if rate not in SUPPORTED_RATES:
-        import soxr
-        x = soxr.resample(x, rate, 16000)
-        rate = 16000
-    pcm = np.clip(np.round(x * 32768.0), -32768, 32767).astype("<i2").tobytes()
-    return pcm, rate
+        container = av.open(source if not isinstance(source, Path) else str(source), "r")
+    except FileNotFoundError:
+        raise AudioFileError(f"cannot read {name}: no such file") from None
+    except IsADirectoryError:
+        raise AudioFileError(f"cannot read {name}: it is a directory") from None
+    except PermissionError:
+        raise AudioFileError(f"cannot read {name}: permission denied") from None
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise AudioFileError(_not_audio(name, exc)) from None
+    try:
+        if not container.streams.audio:
+            raise AudioFileError(f"{name} is not an audio file: it holds no audio stream")
+        stream = container.streams.audio[0]
+        resampler = av.AudioResampler(format="s16", layout="mono", rate=16000)
+        parts: list[bytes] = []
+        try:
+            for frame in container.decode(stream):
+                for out in resampler.resample(frame):
+                    parts.append(bytes(out.planes[0])[:out.samples * 2])
+            for out in resampler.resample(None):
+                parts.append(bytes(out.planes[0])[:out.samples * 2])
+        except (av.FFmpegError, ValueError) as exc:
+            if not parts:
+                raise AudioFileError(_not_audio(name, exc)) from None
+            # a damaged tail: keep what decoded, as players do
+        return b"".join(parts), 16000
+    finally:
+        container.close()
 
 
-def _samples(raw: bytes, width: int) -> np.ndarray:
-    """Integer PCM samples of ``width`` bytes as floats in [-1, 1)."""
-    if width == 1:
-        return (np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
-    if width == 3:  # 24-bit: widen each sample to 32 bits, sign in the top byte
-        b = np.frombuffer(raw[:len(raw) - len(raw) % 3], dtype=np.uint8).reshape(-1, 3)
-        wide = np.zeros((len(b), 4), dtype=np.uint8)
-        wide[:, 1:] = b
-        return wide.view("<i4").ravel().astype(np.float32) / 2**31
-    dtype = {2: "<i2", 4: "<i4"}[width]
-    return np.frombuffer(raw[:len(raw) - len(raw) % width], dtype=dtype).astype(np.float32) \
-        / 2 ** (8 * width - 1)
-
-
-def _short_file(path: str | Path) -> str:
-    with open(path, "rb") as f:
-        riff = f.read(4) == b"RIFF"
-    return f"{path}: a WAV file that ends inside its header" if riff \
-        else f"{path} is not a WAV file"
-
-
-def _wav_error(path: str | Path, exc: wave.Error) -> str:
-    text = str(exc)
-    if text.startswith("unknown format: "):
-        code = int(text.rsplit(" ", 1)[1])
-        name = _WAV_FORMATS.get(code, f"format {code}")
-        return (f"{path}: {name} WAV is not supported; use integer PCM "
-                f"(e.g. sox {path} -b 16 out.wav)")
-    if "RIFF" in text or "WAVE" in text:
-        return f"{path} is not a WAV file"
-    return f"{path}: a damaged WAV file ({text})"
+def _not_audio(name: str | Path, exc: Exception) -> str:
+    return f"{name} is not an audio file this tool can decode ({exc.__class__.__name__})"
 
 
 def split_chunks(pcm: bytes, rate: int, ms: int = 200) -> list[bytes]:

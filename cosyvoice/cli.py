@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from .asr import SESSION_MODES
 from .settings import Settings, SettingsError, _parse
+from .subtitles import FORMATS
 
 EXIT_OK = 0
 # The work failed once it had started: the stream ended with a server error or without
@@ -108,12 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--calibrate", action="store_true",
                         help="measure what one worker process on this host holds with the "
                              "engine, print the COSYVOICE_WORKER_CAPACITY to set, and exit")
-    tr = sub.add_parser("transcribe", help="stream a WAV file and print its transcript")
-    tr.add_argument("file", help="WAV file: integer PCM of 8-32 bits, any rate and channels")
+    tr = sub.add_parser("transcribe", help="stream an audio file and print its transcript")
+    tr.add_argument("file", help="audio file in any format FFmpeg decodes (WAV, FLAC, MP3, "
+                                 "Ogg/Opus, M4A/AAC, WebM, ...), or - for standard input")
     tr.add_argument("--url", type=_url, default="http://127.0.0.1:5000",
                     help="the service (http:// or https://)")
     tr.add_argument("--pace", choices=("realtime", "fast"), default="realtime")
     tr.add_argument("--json", action="store_true", help="one JSON object per event")
+    tr.add_argument("--output-format", choices=FORMATS, default=None,
+                    help="the transcript as a file: text, json (every final with its words, "
+                         "times, confidences and engine), srt or vtt subtitles; default: "
+                         "the live view on a terminal, else the --output file's extension, "
+                         "else text")
+    tr.add_argument("--output", "-o", default=None,
+                    help="write the transcript to this file instead of standard output")
     tr.add_argument("--timeout", type=_positive, default=60.0,
                     help="seconds to wait for the final result after the last chunk")
     tr.add_argument("--token", default=os.environ.get("COSYVOICE_TOKEN"),
@@ -321,15 +330,19 @@ def _stop_children(children: list[subprocess.Popen], stopping: dict) -> None:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
-    from .audio import AudioFileError, read_wav
+    from .audio import AudioFileError, read_audio
+    from .subtitles import render
 
+    fmt = _output_format(args)
     try:
-        pcm, rate = read_wav(args.file)
+        pcm, rate = read_audio(sys.stdin.buffer if args.file == "-" else args.file)
     except AudioFileError as exc:
         raise CliError(EXIT_INPUT, str(exc)) from None
     if not pcm:
-        raise CliError(EXIT_INPUT, f"{args.file} holds no audio")
-    display = _Display(args.json)
+        raise CliError(EXIT_INPUT, f"{'standard input' if args.file == '-' else args.file} "
+                                   "holds no audio")
+    live = fmt is None or (args.output is not None and sys.stdout.isatty())
+    display = _Display(args.json, quiet=not live)
     try:
         result = _stream(args, pcm, rate, display.show)
     finally:
@@ -339,21 +352,52 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         raise CliError(EXIT_FAILED, f"the stream ended with error {error.get('code')}")
     if not result.ended:
         raise CliError(EXIT_FAILED, f"no end of the stream within {args.timeout:g} s")
+    if fmt is not None:
+        body = render(fmt, result.finals)
+        if args.output is None:
+            sys.stdout.write(body)
+            sys.stdout.flush()
+        else:
+            try:
+                Path(args.output).write_text(body, encoding="utf-8")
+            except OSError as exc:
+                raise CliError(EXIT_FAILED, f"cannot write {args.output}: "
+                                            f"{exc.strerror or exc}") from None
     return EXIT_OK
+
+
+def _output_format(args: argparse.Namespace) -> str | None:
+    """The transcript file's format; None: only the live view (or --json's events)."""
+    if args.output_format is not None:
+        fmt = args.output_format
+    elif args.output is not None:
+        suffix = Path(args.output).suffix.lower().lstrip(".")
+        fmt = {"txt": "text", "json": "json", "srt": "srt", "vtt": "vtt"}.get(suffix, "text")
+    elif args.json or sys.stdout.isatty():
+        return None
+    else:
+        fmt = "text"  # piped: the transcript alone
+    if args.json and args.output is None:
+        raise CliError(EXIT_USAGE, "--json prints events on standard output: give the "
+                                   "transcript a file with --output")
+    return fmt
 
 
 class _Display:
     """What ``transcribe`` shows of each event: JSON lines, or the live terminal view
     (partials rewritten in place on stderr, finals and their words on stdout)."""
 
-    def __init__(self, as_json: bool):
+    def __init__(self, as_json: bool, quiet: bool = False):
         self.as_json = as_json
+        self.quiet = quiet  # no results (the transcript goes out as a file): what went wrong
         self.partial_len = 0
 
     def show(self, event: str, data: dict) -> None:
         if self.as_json:
             if event != "ack":
                 print(json.dumps({"event": event, **data}), flush=True)
+        elif event == "text" and self.quiet:
+            pass
         elif event == "text" and data["type"] == "partial":
             self._partial(data["text"])
         elif event == "text":

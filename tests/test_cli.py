@@ -7,9 +7,9 @@ real command in a subprocess, against real services where it needs one.
 from __future__ import annotations
 
 import http.server
+import json
 import signal
 import ssl
-import struct
 import subprocess
 import sys
 import threading
@@ -22,11 +22,11 @@ import pytest
 import soxr
 
 from cosyvoice import cli, tokens
-from cosyvoice.audio import read_wav
+from cosyvoice.audio import read_audio
 from cosyvoice.embedded_redis import free_port
 
 from . import launcher
-from .helpers import FIXTURES, ROOT, direct_decode, fixture_texts, read_pcm, wer
+from .helpers import FIXTURES, ROOT, read_pcm, wer
 
 WEATHER = FIXTURES / "weather.wav"
 SECRET = "cli-test-secret"
@@ -64,20 +64,6 @@ def write_wav(path: Path, samples: np.ndarray, rate: int, width: int = 2) -> Pat
     return path
 
 
-def float_wav(path: Path) -> Path:
-    """A 32-bit float WAV (format 3), which the standard wave module cannot read."""
-    data = np.zeros(1600, np.float32).tobytes()
-    header = b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt " + \
-        struct.pack("<IHHIIHH", 16, 3, 1, 16000, 64000, 4, 32) + b"data" + \
-        struct.pack("<I", len(data))
-    path.write_bytes(header + data)
-    return path
-
-
-def weather_samples() -> np.ndarray:
-    return np.frombuffer(read_pcm("weather"), "<i2").astype(np.float32) / 32768
-
-
 # ---- input files --------------------------------------------------------------------------
 
 
@@ -88,17 +74,16 @@ def _bad_files(tmp: Path) -> dict[str, tuple[Path, str]]:
     truncated.write_bytes(WEATHER.read_bytes()[:30])
     empty = write_wav(tmp / "empty.wav", np.zeros(0, np.float32), 16000)
     return {
-        "missing": (tmp / "missing.wav", "No such file"),
-        "directory": (tmp, "Is a directory"),
-        "text": (text, "not a WAV file"),
-        "truncated": (truncated, "ends inside its header"),
-        "float": (float_wav(tmp / "float.wav"), "32-bit float WAV is not supported"),
+        "missing": (tmp / "missing.wav", "no such file"),
+        "directory": (tmp, "it is a directory"),
+        "text": (text, "is not an audio file"),
+        "truncated": (truncated, "is not an audio file"),
         "empty": (empty, "holds no audio"),
     }
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("kind", ["missing", "directory", "text", "truncated", "float", "empty"])
+@pytest.mark.parametrize("kind", ["missing", "directory", "text", "truncated", "empty"])
 def test_unreadable_input_file_exits_3(tmp_path, kind):
     path, words = _bad_files(tmp_path)[kind]
     # the file is read before any connection: no service is needed to refuse it
@@ -106,29 +91,130 @@ def test_unreadable_input_file_exits_3(tmp_path, kind):
     assert_fails(proc, cli.EXIT_INPUT, "cosyvoice transcribe:", words)
 
 
-def test_wav_layouts_are_converted_and_transcribed(service, tmp_path):
-    """24-bit, stereo at 44.1 kHz and 8-bit WAV: read, converted to what the service
-    takes, and transcribed as well as the recogniser does on the converted audio."""
-    x = weather_samples()
-    stereo44 = soxr.resample(x, 16000, 44100)
-    files = {
-        "24-bit": write_wav(tmp_path / "w24.wav", x, 16000, width=3),
-        "stereo 44.1 kHz": write_wav(tmp_path / "w44.wav",
-                                     np.stack([stereo44, stereo44 * 0.5], axis=1), 44100),
-        "32-bit": write_wav(tmp_path / "w32.wav", x, 16000, width=4),
-    }
-    reference = fixture_texts()["weather"]
-    for name, path in files.items():
-        pcm, rate = read_wav(path)
-        assert rate == 16000, name
-        converted = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
-        if name != "stereo 44.1 kHz":  # the same samples, to the last bit of 16
-            assert np.abs(converted - x).max() <= 1 / 32768, name
-        proc = run("transcribe", str(path), "--url", service.url, "--pace", "fast")
-        assert proc.returncode == 0, (name, proc.stderr)
-        text = " ".join(line.split("] ", 1)[1] for line in proc.stdout.splitlines()
-                        if line.startswith("["))
-        assert wer(reference, text) <= wer(reference, direct_decode(pcm)) + 0.01, (name, text)
+def encode(path: Path, container: str, codec: str, x: np.ndarray, rate: int,
+           channels: int) -> Path:
+    """16 kHz float samples ``x`` resampled to ``rate``, as ``channels`` channels (the
+    second at half level), encoded with PyAV: the library the command decodes with."""
+    import av
+
+    y = soxr.resample(x, 16000, rate) if rate != 16000 else x
+    y = np.stack([y, y * 0.5], axis=1) if channels == 2 else y[:, None]
+    s16 = np.clip(np.round(y * 32767), -32768, 32767).astype("<i2")
+    layout = "stereo" if channels == 2 else "mono"
+    with av.open(str(path), "w", format=container) as out:
+        stream = out.add_stream(codec, rate=rate, layout=layout)
+        assert isinstance(stream, av.AudioStream)
+        frame = av.AudioFrame.from_ndarray(s16.reshape(1, -1), format="s16", layout=layout)
+        frame.rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            out.mux(packet)
+    return path
+
+
+# (file name, container, codec, rate, channels)
+FORMATS = [
+    ("s24.wav", "wav", "pcm_s24le", 16000, 1),
+    ("stereo44.wav", "wav", "pcm_s16le", 44100, 2),
+    ("float22.wav", "wav", "pcm_f32le", 22050, 2),
+    ("alaw8.wav", "wav", "pcm_alaw", 8000, 1),
+    ("speech.flac", "flac", "flac", 44100, 2),
+    ("speech.mp3", "mp3", "libmp3lame", 44100, 2),
+    ("speech.ogg", "ogg", "libopus", 48000, 1),
+    ("speech.m4a", "ipod", "aac", 44100, 2),
+    ("speech.webm", "webm", "libopus", 48000, 2),
+]
+
+
+def transcript_text(proc: subprocess.CompletedProcess) -> str:
+    """The transcript ``transcribe`` prints when its output is piped: a final a line."""
+    assert proc.returncode == 0, proc.stderr
+    return " ".join(proc.stdout.split())
+
+
+def test_audio_files_of_every_common_format_are_transcribed(service, tmp_path):
+    """WAV of other layouts, FLAC, MP3, Ogg/Opus, M4A/AAC and WebM, made from a fixture by
+    the test: each transcribed within a point of the fixture's own WER, from a file and
+    (the first) from standard input."""
+    name = "two_utterances"
+    x = np.frombuffer(read_pcm(name), "<i2").astype(np.float32) / 32768
+    reference = (FIXTURES / f"{name}.txt").read_text().split("\t", 1)[1]
+    baseline = wer(reference, transcript_text(run("transcribe", str(FIXTURES / f"{name}.wav"),
+                                                  "--url", service.url, "--pace", "fast")))
+    for file_name, container, codec, rate, channels in FORMATS:
+        path = encode(tmp_path / file_name, container, codec, x, rate, channels)
+        pcm, out_rate = read_audio(path)
+        assert out_rate == 16000 and abs(len(pcm) / 32000 - len(x) / 16000) < 0.1, file_name
+        text = transcript_text(run("transcribe", str(path), "--url", service.url,
+                                   "--pace", "fast"))
+        assert wer(reference, text) <= baseline + 0.01, (file_name, text)
+    with open(tmp_path / FORMATS[-1][0], "rb") as stdin:
+        piped = subprocess.run([sys.executable, "-m", "cosyvoice", "transcribe", "-", "--url",
+                                service.url, "--pace", "fast"], stdin=stdin,
+                               capture_output=True, text=True, timeout=90)
+    assert wer(reference, transcript_text(piped)) <= baseline + 0.01
+
+
+# ---- transcripts as files -----------------------------------------------------------------
+
+
+def _cue_times_ok(cues: list[tuple[float, float]]) -> None:
+    """Each cue has a positive length, starts no earlier than the one before it ends."""
+    for k, (start, end) in enumerate(cues):
+        assert end > start, cues[k]
+        if k:
+            assert start >= cues[k - 1][1], (cues[k - 1], cues[k])
+
+
+def test_transcripts_as_text_json_srt_and_vtt(service, tmp_path):
+    """One 21 s recording written in each format: the SRT and WebVTT files parse with
+    maintained parsers, in order without overlap, in readable lines, and every format
+    carries the same words as the JSON's finals."""
+    import srt
+    import webvtt
+
+    wav = str(FIXTURES / "harvard_long.wav")
+    files = {fmt: tmp_path / f"out.{ext}" for fmt, ext in
+             (("json", "json"), ("srt", "srt"), ("vtt", "vtt"), ("text", "txt"))}
+    for fmt, path in files.items():
+        # the format from the extension for two, from --output-format for the others
+        extra = ["--output-format", fmt] if fmt in ("json", "vtt") else []
+        proc = run("transcribe", wav, "--url", service.url, "--pace", "fast",
+                   "--output", str(path), *extra)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "", "the transcript goes to the file alone"
+    doc = json.loads(files["json"].read_text())
+    finals = doc["finals"]
+    assert len(finals) >= 5
+    for f in finals:
+        assert f["engine"] and f["text"] and f["end"] > f["start"]
+        assert f["words"] and all({"word", "start", "end", "conf"} <= set(w) for w in f["words"])
+    words = " ".join(f["text"] for f in finals).split()
+    assert doc["text"].split() == words
+    reference = (FIXTURES / "harvard_long.txt").read_text().split("\t", 1)[1]
+    assert wer(reference, doc["text"]) < 0.15
+    assert files["text"].read_text().split() == words
+    assert files["text"].read_text().splitlines() == [f["text"].strip() for f in finals]
+
+    subs = list(srt.parse(files["srt"].read_text()))
+    assert [s.index for s in subs] == list(range(1, len(subs) + 1))
+    _cue_times_ok([(s.start.total_seconds(), s.end.total_seconds()) for s in subs])
+    vtt = webvtt.from_string(files["vtt"].read_text()).captions
+    _cue_times_ok([(_secs(c.start), _secs(c.end)) for c in vtt])
+    for cues in ([s.content for s in subs], [c.text for c in vtt]):
+        assert " ".join(cues).split() == words
+        for text in cues:
+            lines = text.splitlines()
+            assert 1 <= len(lines) <= 2 and all(len(line) <= 42 for line in lines), text
+    assert len(subs) == len(vtt)
+    # the cues follow the speech: the first starts near the first word, the last ends
+    # near the last one
+    assert abs(subs[0].start.total_seconds() - finals[0]["words"][0]["start"]) < 0.01
+    assert subs[-1].end.total_seconds() >= finals[-1]["words"][-1]["end"] - 0.01
+
+
+def _secs(clock: str) -> float:
+    h, m, s = clock.split(":")
+    return int(h) * 3600 + int(m) * 60 + float(s)
 
 
 # ---- command line and settings -------------------------------------------------------------
@@ -140,6 +226,8 @@ def test_wav_layouts_are_converted_and_transcribed(service, tmp_path):
     (["transcribe", str(WEATHER), "--url", "ftp://host/x"], {}, "http:// or https://"),
     (["transcribe", str(WEATHER), "--url", "http://host:99999"], {}, "not a URL"),
     (["transcribe", str(WEATHER), "--timeout", "0"], {}, "--timeout"),
+    (["transcribe", str(WEATHER), "--output-format", "docx"], {}, "--output-format"),
+    (["transcribe", str(WEATHER), "--json", "--output-format", "srt"], {}, "--output"),
     (["serve"], {"COSYVOICE_PORT": "abc"}, "COSYVOICE_PORT='abc': expected a whole number"),
     (["serve", "--engine", "nope"], {}, "COSYVOICE_ENGINE='nope': expected one of"),
     (["gateway"], {"COSYVOICE_REDIS_URL": "localhost:6379"}, "COSYVOICE_REDIS_URL"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -275,3 +276,44 @@ def test_endpointer_finds_each_utterance_and_is_freed():
         Endpointer(0.3, 0.9)
     gc.collect()
     assert proc.memory_full_info().uss - before < 4 * 2**20
+
+
+# ---- transcripts as files (cosyvoice/subtitles.py) ------------------------------------------
+
+
+def _final(text: str, start: float, end: float, words: bool = True) -> dict:
+    tokens = text.split()
+    step = (end - start) / max(1, len(tokens))
+    return {"type": "final", "text": text, "start": start, "end": end, "engine": "whisper-live",
+            "words": [{"word": t, "start": start + k * step, "end": start + (k + 1) * step,
+                       "conf": 0.9} for k, t in enumerate(tokens)] if words else []}
+
+
+@pytest.mark.fast
+def test_subtitle_cues_are_readable_ordered_and_carry_every_word():
+    from cosyvoice import subtitles
+    long = " ".join(f"word{k}" for k in range(60))  # 60 words over 24 s
+    finals = [_final("Glue the sheet to the dark blue background today.", 0.0, 2.4),
+              _final("", 2.5, 2.6),  # a final without text: no cue
+              _final(long, 2.5, 26.5),  # starts before the first ends: moved, not overlapping
+              _final("no word times here at all", 27.0, 29.0, words=False)]
+    cues = subtitles.cues(finals)
+    assert " ".join(" ".join(c.lines) for c in cues).split() == \
+        " ".join(f["text"] for f in finals).split()
+    assert cues[0].lines == ["Glue the sheet to the dark", "blue background today."]
+    for k, cue in enumerate(cues):
+        assert 1 <= len(cue.lines) <= 2 and all(len(line) <= 42 for line in cue.lines)
+        assert 0 < cue.end_ms - cue.start_ms <= 7000
+        if k:
+            assert cue.start_ms >= cues[k - 1].end_ms
+    # utterance times shared out over the characters where the engine gave no word times
+    assert cues[-1].start_ms == 27000 and cues[-1].end_ms == 29000
+    srt = subtitles.to_srt(finals)
+    assert srt.startswith("1\n00:00:00,000 --> 00:00:02,400\nGlue the sheet to the dark\n")
+    assert subtitles.to_vtt(finals).startswith("WEBVTT\n\n00:00:00.000 --> 00:00:02.400\n")
+    assert subtitles.to_text(finals).splitlines()[0] == finals[0]["text"]
+    doc = json.loads(subtitles.to_json(finals))
+    assert len(doc["finals"]) == 3 and "type" not in doc["finals"][0]
+    assert doc["finals"][0]["words"][0]["word"] == "Glue"
+    assert set(doc["finals"][0]["words"][0]) == {"word", "start", "end", "conf"}
+    assert doc["finals"][0]["engine"] == "whisper-live"

@@ -1,0 +1,138 @@
+"""A session's finals as files: plain text, JSON, SRT and WebVTT.
+
+The same rules as the page's downloads (cosyvoice/static/transcript.js), so a file from
+``cosyvoice transcribe --output-format srt`` and one from the page's "SRT" button cut
+the same cues:
+
+- **Text**: each final's text on its own line (finals without text are left out).
+- **Cues**: a final's words, in order, filled into cues of at most ``MAX_LINES`` lines of
+  ``LINE_CHARS`` characters (the common subtitle guideline) and at most ``MAX_CUE_S``
+  seconds; a cue of two lines is cut where the lines are most even. A cue runs from its
+  first word's start to its last word's end: word times where the engine gives them (as
+  many words as the final's text has), otherwise the final's own times shared out over its
+  characters. Cues never overlap and never go backwards: a cue that would start before the
+  previous one ends starts where it ends, and every cue lasts at least ``MIN_CUE_MS``.
+- **JSON**: every final with its text, times, words (with their times and confidences)
+  and engine, and the whole text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+LINE_CHARS = 42
+MAX_LINES = 2
+MAX_CUE_S = 7.0
+MIN_CUE_MS = 100
+FORMATS = ("text", "json", "srt", "vtt")
+
+
+@dataclass
+class Cue:
+    start_ms: int
+    end_ms: int
+    lines: list[str]
+
+
+def _timed_words(final: dict) -> list[tuple[str, float, float]]:
+    """The final's text, a word at a time, with each word's start and end."""
+    tokens = final["text"].split()
+    words = [w for w in final.get("words") or [] if str(w.get("word", "")).strip()]
+    if len(words) == len(tokens):
+        return [(tok, float(w["start"]), float(w["end"]))
+                for tok, w in zip(tokens, words, strict=True)]
+    start, end = float(final["start"]), float(final["end"])
+    total = sum(len(t) + 1 for t in tokens)
+    out, pos = [], 0
+    for tok in tokens:
+        s = start + (end - start) * pos / total
+        pos += len(tok) + 1
+        out.append((tok, s, start + (end - start) * pos / total))
+    return out
+
+
+def wrap(tokens: list[str], width: int = LINE_CHARS) -> list[str]:
+    """Tokens as subtitle lines of at most ``width`` characters: one line if they fit,
+    else two of the most even lengths, else (a cue too long for two) filled greedily."""
+    text = " ".join(tokens)
+    if len(text) <= width:
+        return [text]
+    best: tuple[int, list[str]] | None = None
+    for k in range(1, len(tokens)):
+        first, second = " ".join(tokens[:k]), " ".join(tokens[k:])
+        if len(first) <= width and len(second) <= width:
+            score = abs(len(first) - len(second))
+            if best is None or score < best[0]:
+                best = (score, [first, second])
+    if best is not None:
+        return best[1]
+    lines: list[str] = []
+    for tok in tokens:
+        if lines and len(lines[-1]) + 1 + len(tok) <= width:
+            lines[-1] += " " + tok
+        else:
+            lines.append(tok)
+    return lines
+
+
+def cues(finals: list[dict]) -> list[Cue]:
+    out: list[Cue] = []
+    for final in finals:
+        if not final.get("text", "").strip():
+            continue
+        group: list[tuple[str, float, float]] = []
+        for word in _timed_words(final):
+            candidate = group + [word]
+            if group and (len(wrap([t for t, _, _ in candidate])) > MAX_LINES
+                          or candidate[-1][2] - candidate[0][1] > MAX_CUE_S):
+                out.append(_cue(group))
+                group = [word]
+            else:
+                group = candidate
+        if group:
+            out.append(_cue(group))
+    last_end = 0
+    for cue in out:  # in order, never overlapping
+        cue.start_ms = max(cue.start_ms, last_end)
+        cue.end_ms = max(cue.end_ms, cue.start_ms + MIN_CUE_MS)
+        last_end = cue.end_ms
+    return out
+
+
+def _cue(group: list[tuple[str, float, float]]) -> Cue:
+    return Cue(round(group[0][1] * 1000), round(group[-1][2] * 1000),
+               wrap([t for t, _, _ in group]))
+
+
+def _clock(ms: int, sep: str) -> str:
+    h, rest = divmod(ms, 3_600_000)
+    m, rest = divmod(rest, 60_000)
+    s, ms = divmod(rest, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+
+def to_text(finals: list[dict]) -> str:
+    return "".join(f["text"].strip() + "\n" for f in finals if f.get("text", "").strip())
+
+
+def to_srt(finals: list[dict]) -> str:
+    return "".join(f"{i}\n{_clock(c.start_ms, ',')} --> {_clock(c.end_ms, ',')}\n"
+                   + "\n".join(c.lines) + "\n\n" for i, c in enumerate(cues(finals), 1))
+
+
+def to_vtt(finals: list[dict]) -> str:
+    return "WEBVTT\n\n" + "".join(
+        f"{_clock(c.start_ms, '.')} --> {_clock(c.end_ms, '.')}\n" + "\n".join(c.lines)
+        + "\n\n" for c in cues(finals))
+
+
+def to_json(finals: list[dict]) -> str:
+    kept = [{k: v for k, v in f.items() if k != "type"} for f in finals
+            if f.get("text", "").strip()]
+    return json.dumps({"text": " ".join(f["text"].strip() for f in kept), "finals": kept},
+                      indent=1) + "\n"
+
+
+def render(fmt: str, finals: list[dict]) -> str:
+    return {"text": to_text, "json": to_json, "srt": to_srt, "vtt": to_vtt}[fmt](finals)
