@@ -1,6 +1,6 @@
 """A session's finals as files: plain text, JSON, SRT and WebVTT.
 
-The same rules as the page's downloads (cosyvoice/static/transcript.js), so a file from
+The same rules as the page's downloads (cosyvoice/static/subtitles.mjs), so a file from
 ``cosyvoice transcribe --output-format srt`` and one from the page's "SRT" button cut
 the same cues:
 
@@ -19,6 +19,7 @@ the same cues:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 LINE_CHARS = 42
@@ -100,9 +101,12 @@ def cues(finals: list[dict]) -> list[Cue]:
     return out
 
 
+def _ms(seconds: float) -> int:
+    return math.floor(seconds * 1000 + 0.5)  # half up, as the page's Math.round
+
+
 def _cue(group: list[tuple[str, float, float]]) -> Cue:
-    return Cue(round(group[0][1] * 1000), round(group[-1][2] * 1000),
-               wrap([t for t, _, _ in group]))
+    return Cue(_ms(group[0][1]), _ms(group[-1][2]), wrap([t for t, _, _ in group]))
 
 
 def _clock(ms: int, sep: str) -> str:

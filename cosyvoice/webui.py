@@ -17,7 +17,7 @@ from flask_socketio import SocketIO
 
 from . import bus as busmod
 from . import debug_mem, fastws, probes
-from .gateway import Gateway
+from .gateway import Gateway, session_limits
 from .protocol import max_payload_bytes
 from .settings import Settings
 
@@ -76,6 +76,13 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     @app.get("/healthz")
     def healthz():
         return jsonify(status="ok")
+
+    @app.get("/config")
+    def config():
+        # what the page offers before a session: the session modes (the first is the
+        # default) and the limits its session event will repeat
+        return jsonify(engine=settings.engine, modes=list(gateway.modes),
+                       limits=session_limits(settings))
 
     @app.get("/")
     def index():

@@ -361,3 +361,103 @@ def test_page_explains_a_refused_connection_and_keeps_the_reason(artifacts):
         finally:
             holder.stop()
             holder.close()
+
+
+# ---- files in, transcripts out ----------------------------------------------------------------
+
+
+def _drop(page: Page, name: str, data: bytes, mime: str) -> None:
+    """Drops a file on the transcript, as a user dragging it from their desktop would."""
+    import base64
+    transfer = page.evaluate_handle(
+        """([name, b64, mime]) => {
+            const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+            const dt = new DataTransfer();
+            dt.items.add(new File([bytes], name, { type: mime }));
+            return dt;
+        }""", [name, base64.b64encode(data).decode(), mime])
+    page.dispatch_event("#transcript", "dragover", {"dataTransfer": transfer})
+    page.dispatch_event("#transcript", "drop", {"dataTransfer": transfer})
+
+
+def test_a_dropped_audio_file_is_transcribed_and_the_transcript_saved(service, artifacts,
+                                                                      tmp_path):
+    """An MP3 (44.1 kHz stereo, made by the test with PyAV) dropped on the page: decoded by
+    the browser, streamed through the session protocol, transcribed within the bound of
+    the microphone test; Copy and the three downloads give the page's text."""
+    import numpy as np
+    import srt
+    import webvtt
+
+    from .test_cli import encode
+
+    name = "door"
+    x = np.frombuffer(read_pcm(name), "<i2").astype(np.float32) / 32768
+    mp3 = encode(tmp_path / f"{name}.mp3", "mp3", "libmp3lame", x, 44100, 2)
+    with browser_page({"width": 900, "height": 760}, allow_microphone=False) as (page, observed):
+        page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+        page.goto(service.url + "/")
+        _drop(page, mp3.name, mp3.read_bytes(), "audio/mpeg")
+        expect(page.get_by_role("alert")).to_contain_text(f"Transcribing “{mp3.name}”")
+        expect(page.locator("#record")).to_have_text("Stop")
+        expect(page.locator("#record")).to_have_text("Start", timeout=60_000)
+        expect(page.get_by_role("alert")).to_be_hidden()
+        text = page.locator("#finals").inner_text()
+        assert wer(TEXTS[name], text) <= bound(name), (text, TEXTS[name])
+        assert page.locator("#finals .segment").first.get_attribute("data-engine") \
+            == "whisper-live"
+
+        page.get_by_role("button", name="Copy").click()
+        expect(page.get_by_role("alert")).to_contain_text("copied")
+        assert page.evaluate("navigator.clipboard.readText()").split() == text.split()
+        saved = {}
+        for fmt in ("txt", "srt", "vtt"):
+            with page.expect_download() as download:
+                page.get_by_role("button", name=f"Download .{fmt}").click()
+            assert download.value.suggested_filename.endswith(f".{fmt}")
+            saved[fmt] = Path(download.value.path()).read_text(encoding="utf-8")
+        page.screenshot(path=str(artifacts / "browser-dropped-file.png"), full_page=True)
+        assert observed.console_errors == []
+        observed.assert_stayed_local()
+    assert saved["txt"].split() == text.split()
+    subs = list(srt.parse(saved["srt"]))
+    assert " ".join(s.content for s in subs).split() == text.split()
+    cues = webvtt.from_string(saved["vtt"]).captions
+    assert " ".join(c.text for c in cues).split() == text.split()
+    assert all(a.end <= b.start for a, b in zip(subs, subs[1:], strict=False))
+
+
+def test_a_file_that_is_not_audio_gets_a_readable_message(service, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("these are meeting notes, not audio\n" * 20)
+    with browser_page({"width": 900, "height": 760}, allow_microphone=False) as (page, observed):
+        page.goto(service.url + "/")
+        _drop(page, notes.name, notes.read_bytes(), "text/plain")
+        alert = page.get_by_role("alert")
+        expect(alert).to_contain_text("“notes.txt” could not be read as audio")
+        expect(page.locator("#record")).to_have_text("Start")
+        page.locator("#file").set_input_files(str(notes))  # picked rather than dropped
+        expect(alert).to_contain_text("“notes.txt” could not be read as audio")
+        expect(page.locator("#connection")).to_have_text("Not connected")  # nothing sent
+        observed.assert_stayed_local()
+
+
+def test_a_server_with_several_modes_lets_the_page_choose_before_start(artifacts):
+    """A 2-pass gateway offers its session modes (`/config`): the page shows the choice."""
+    with launcher.redis_server() as server:
+        gateway = launcher.start_gateway(server.url, env={**TEST_ENV,
+                                                          "COSYVOICE_ENGINE": "2pass"},
+                                         logs=artifacts, name="modes-gateway")
+        try:
+            with browser_page({"width": 900, "height": 760}) as (page, observed):
+                page.goto(gateway.url + "/")
+                choice = page.get_by_label("Mode")
+                expect(choice).to_be_visible()
+                options = choice.locator("option")
+                expect(options).to_have_count(3)
+                assert [options.nth(i).get_attribute("value") for i in range(3)] == \
+                    ["2pass", "pocketsphinx", "whisper"]
+                choice.select_option("whisper")
+                observed.assert_stayed_local()
+        finally:
+            launcher.stop(gateway.proc)

@@ -50,3 +50,33 @@ def test_chunk_encoded_by_the_page_is_what_the_gateway_accepts():
     end = decode_chunk(last, 16000, 1000)
     assert (end.pcm, end.seq, end.last, end.sample_rate) == (b"", 2**32 - 1, True, 16000)
     assert end.sent_ms == 2**52
+
+
+def test_the_pages_subtitles_are_the_command_lines():
+    """The page's downloads (subtitles.mjs) and `cosyvoice transcribe --output-format`
+    (cosyvoice/subtitles.py) cut the same cues from the same finals."""
+    from cosyvoice import subtitles
+
+    long = " ".join(f"word{k}" for k in range(40))
+    finals = [
+        {"text": "Glue the sheet to the dark blue background today.", "start": 0.0,
+         "end": 2.4, "words": [{"word": w, "start": 0.2 * k + 0.0005, "end": 0.2 * k + 0.15,
+                                "conf": 0.9} for k, w in enumerate(
+                                    "Glue the sheet to the dark blue background today.".split())]},
+        {"text": "", "start": 2.5, "end": 2.6, "words": []},
+        {"text": long, "start": 2.0, "end": 21.3, "words": []},
+        {"text": "An hour later, the second one.", "start": 3725.123, "end": 3727.9,
+         "words": []},
+    ]
+    script = """
+        import { toSrt, toText, toVtt } from "./cosyvoice/static/subtitles.mjs";
+        const finals = JSON.parse(process.argv[1]);
+        console.log(JSON.stringify([toText(finals), toSrt(finals), toVtt(finals)]));
+    """
+    proc = subprocess.run([NODE, "--input-type=module", "-e", script, json.dumps(finals)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text, srt, vtt = json.loads(proc.stdout)
+    assert text == subtitles.to_text(finals)
+    assert srt == subtitles.to_srt(finals) and "01:02:05,123 --> " in srt
+    assert vtt == subtitles.to_vtt(finals)

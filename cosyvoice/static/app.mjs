@@ -2,12 +2,32 @@
 
 import { Microphone } from "./microphone.mjs";
 import { RECONNECT_ATTEMPTS, SpeechStream } from "./stream.mjs";
+import { toSrt, toText, toVtt } from "./subtitles.mjs";
 import { TranscriptView } from "./transcript.mjs";
 
 // Capture rate until the server's `session` event names the session's rate.
 const INITIAL_RATE = 16000;
 // How long Stop waits for the server's `end` (all final text delivered).
 const END_TIMEOUT_MS = 20000;
+// A file is sent at this share of the server's rate limit (`limits.rate_limit_factor` ×
+// real time), or at FILE_UNLIMITED_SPEED × real time where the server sets none.
+const FILE_RATE_SHARE = 0.9;
+const FILE_UNLIMITED_SPEED = 8;
+const FILE_RATE = 16000;
+const CHUNK_MS = 200;
+// What each session mode means, for the mode choice.
+const MODE_NAMES = {
+  "whisper-live": "Live (Whisper tiny.en)",
+  "2pass": "Live partials, Whisper base finals",
+  whisper: "Whisper base finals only",
+  pocketsphinx: "PocketSphinx",
+  null: "Null (test engine)",
+};
+const DOWNLOADS = {
+  txt: { render: toText, type: "text/plain" },
+  srt: { render: toSrt, type: "application/x-subrip" },
+  vtt: { render: toVtt, type: "text/vtt" },
+};
 
 const MESSAGES = {
   denied: "Microphone access was denied. Allow this site to use the microphone (see the icon in the address bar), then press Start again.",
@@ -27,6 +47,8 @@ const MESSAGES = {
   unauthorized: "The server refused the connection: this service needs a valid token. "
     + "Ask its operator for a link that carries one (…/#token=…).",
   session_expired: "The session has expired. Press Start to begin a new one.",
+  not_audio: "could not be read as audio. Choose a sound file (WAV, MP3, FLAC, Ogg, M4A, WebM…).",
+  clipboard: "The transcript could not be copied: this browser did not allow access to the clipboard.",
   unavailable: "The service's storage is unreachable; some audio may be lost.",
   bad_chunk: "The server refused a piece of audio as malformed.",
   too_large: "The server refused a piece of audio as too large.",
@@ -64,8 +86,33 @@ class App {
     this.stream = null;
     this.errorShown = false;
     this.rate = INITIAL_RATE;
+    this.modeChoice = $("mode-choice");
+    this.modeSelect = $("mode");
+    this.transcript = $("transcript");
     this.button.addEventListener("click", () => this.toggle());
     $("clear").addEventListener("click", () => this.view.clear());
+    $("copy").addEventListener("click", () => this.copy());
+    for (const format of Object.keys(DOWNLOADS)) {
+      $(`download-${format}`).addEventListener("click", () => this.download(format));
+    }
+    const picker = $("file");
+    picker.addEventListener("change", () => {
+      const [file] = picker.files;
+      picker.value = "";
+      if (file) this.transcribeFile(file);
+    });
+    this.transcript.addEventListener("dragover", (e) => {
+      e.preventDefault();
+      this.transcript.classList.add("dragging");
+    });
+    this.transcript.addEventListener("dragleave", () => this.transcript.classList.remove("dragging"));
+    this.transcript.addEventListener("drop", (e) => {
+      e.preventDefault();
+      this.transcript.classList.remove("dragging");
+      const file = e.dataTransfer?.files?.[0];
+      if (file) this.transcribeFile(file);
+    });
+    this.loadConfig();
     $("details").addEventListener("change", (e) => $("transcript").classList.toggle("details", e.target.checked));
     this.setState("idle");
   }
@@ -73,6 +120,103 @@ class App {
   toggle() {
     if (this.state === "idle") this.start();
     else if (this.state === "recording") this.stop();
+  }
+
+  /** The server's session modes: a choice before Start where it offers more than one. */
+  async loadConfig() {
+    let config;
+    try {
+      const response = await fetch("/config");
+      if (!response.ok) return;
+      config = await response.json();
+    } catch {
+      return; // the recording itself says what is wrong with the server
+    }
+    const modes = config.modes ?? [];
+    if (modes.length < 2) return;
+    this.modeSelect.replaceChildren(...modes.map((m) => {
+      const option = document.createElement("option");
+      option.value = m;
+      option.textContent = MODE_NAMES[m] ?? m;
+      return option;
+    }));
+    this.modeChoice.hidden = false;
+    this.transcript.classList.add("engines");
+  }
+
+  mode() {
+    return this.modeChoice.hidden ? null : this.modeSelect.value;
+  }
+
+  async copy() {
+    try {
+      await navigator.clipboard.writeText(this.view.text());
+      this.showMessage("The transcript was copied.", "info");
+    } catch {
+      this.showError("clipboard");
+    }
+  }
+
+  download(format) {
+    const { render, type } = DOWNLOADS[format];
+    const blob = new Blob([render(this.view.results)], { type: `${type};charset=utf-8` });
+    const link = document.createElement("a");
+    link.href = URL.createObjectURL(blob);
+    const stamp = new Date().toISOString().slice(0, 19).replace(/[:T]/g, "-");
+    link.download = `transcript-${stamp}.${format}`;
+    document.body.append(link);
+    link.click();
+    link.remove();
+    setTimeout(() => URL.revokeObjectURL(link.href), 10000);
+  }
+
+  /** Decodes an audio file in the browser and sends it through the same session
+   * protocol as the microphone, as 200 ms chunks at the rate the server allows. */
+  async transcribeFile(file) {
+    if (this.state !== "idle") return;
+    this.setState("starting");
+    this.message.hidden = true;
+    this.errorShown = false;
+    let pcm;
+    try {
+      pcm = await decodeFile(file);
+    } catch {
+      this.showMessage(`“${file.name}” ${MESSAGES.not_audio}`, "error");
+      this.errorShown = true;
+      this.setState("idle");
+      return;
+    }
+    const stream = new SpeechStream(this.streamHandlers(), { token: pageToken(), mode: this.mode() });
+    this.stream = stream;
+    this.rate = FILE_RATE;
+    this.audio.textContent = `${kHz(FILE_RATE)} · file`;
+    this.showMessage(`Transcribing “${file.name}” (${(pcm.length / FILE_RATE).toFixed(1)} s of audio)…`, "info");
+    stream.open();
+    this.setState("recording");
+    this.fileSending = true;
+    const size = (FILE_RATE * CHUNK_MS) / 1000;
+    const started = performance.now();
+    let sentMs = 0;
+    for (let at = 0; at < pcm.length || at === 0; at += size) {
+      if (this.stream !== stream || !this.fileSending) return; // an error, or Stop
+      const chunk = pcm.subarray(at, at + size);
+      const last = at + size >= pcm.length;
+      stream.send({ pcm: Int16Array.from(chunk), sampleRate: FILE_RATE, last });
+      this.showLevel(chunk);
+      sentMs += CHUNK_MS;
+      const factor = stream.session?.limits?.rate_limit_factor;
+      const speed = factor === 0 ? FILE_UNLIMITED_SPEED : (factor ?? 1) * FILE_RATE_SHARE;
+      const wait = started + sentMs / speed - performance.now();
+      if (wait > 0) await new Promise((resolve) => setTimeout(resolve, wait));
+      if (last) break;
+    }
+    this.fileSending = false;
+    this.setState("finishing");
+    const ended = await stream.waitEnd(END_TIMEOUT_MS + pcm.length / FILE_RATE * 1000);
+    if (stream !== this.stream) return;
+    if (!ended) this.showError("timeout");
+    else this.message.hidden = true;
+    await this.close();
   }
 
   setState(state) {
@@ -109,7 +253,7 @@ class App {
     this.latency.textContent = "–";
     this.rate = INITIAL_RATE;
     this.errorShown = false;
-    const stream = new SpeechStream(this.streamHandlers(), { token: pageToken() });
+    const stream = new SpeechStream(this.streamHandlers(), { token: pageToken(), mode: this.mode() });
     const mic = new Microphone((chunk) => this.onChunk(chunk));
     this.stream = stream;
     this.mic = mic;
@@ -134,6 +278,16 @@ class App {
 
   async stop() {
     const { mic, stream } = this;
+    if (!mic) { // a file: stop sending it and end the session with what was sent
+      this.fileSending = false;
+      this.setState("finishing");
+      stream.send({ pcm: new Int16Array(0), sampleRate: FILE_RATE, last: true });
+      const ended = await stream.waitEnd(END_TIMEOUT_MS);
+      if (stream !== this.stream) return;
+      if (!ended) this.showError("timeout");
+      await this.close();
+      return;
+    }
     this.setState("finishing");
     await mic.finish(); // the worklet's last chunk goes out through onChunk with last=true
     const ended = await stream.waitEnd(END_TIMEOUT_MS);
@@ -152,9 +306,13 @@ class App {
 
   onChunk(chunk) {
     this.stream?.send(chunk);
+    this.showLevel(chunk.pcm);
+  }
+
+  showLevel(pcm) {
     let sum = 0;
-    for (const v of chunk.pcm) sum += v * v;
-    const rms = chunk.pcm.length ? Math.sqrt(sum / chunk.pcm.length) / 32768 : 0;
+    for (const v of pcm) sum += v * v;
+    const rms = pcm.length ? Math.sqrt(sum / pcm.length) / 32768 : 0;
     // Roughly -60..0 dBFS onto 0..1 for the level bar.
     const level = Math.max(0, Math.min(1, 1 + Math.log10(rms + 1e-9) / 3));
     this.level.style.setProperty("--level", level.toFixed(2));
@@ -233,6 +391,26 @@ class App {
     }
     if (fatal && this.stream) this.close();
   }
+}
+
+/** A file's first audio track, mixed down to mono and resampled to 16 kHz by the
+ * browser's own decoder (WebAudio `decodeAudioData`), as 16-bit samples. */
+async function decodeFile(file) {
+  const bytes = await file.arrayBuffer();
+  const context = new OfflineAudioContext(1, 1, FILE_RATE);
+  const decoded = await context.decodeAudioData(bytes);
+  const frames = Math.max(1, Math.ceil(decoded.duration * FILE_RATE));
+  const render = new OfflineAudioContext(1, frames, FILE_RATE);
+  const source = render.createBufferSource();
+  source.buffer = decoded;
+  source.connect(render.destination);
+  source.start();
+  const samples = (await render.startRendering()).getChannelData(0);
+  const pcm = new Int16Array(samples.length);
+  for (let i = 0; i < samples.length; i++) {
+    pcm[i] = Math.max(-32768, Math.min(32767, Math.round(samples[i] * 32768)));
+  }
+  return pcm;
 }
 
 new App(document);

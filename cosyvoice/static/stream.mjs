@@ -22,10 +22,12 @@ const FATAL_CODES = new Set(["overloaded", "unauthorized"]);
  * error({code, msg}, fatal); end().
  */
 export class SpeechStream {
-  /** `token` is sent as `auth.token` when the service requires one. */
-  constructor(handlers, { token = null } = {}) {
+  /** `token` is sent as `auth.token` when the service requires one; `mode` (one of the
+   * server's session modes) asks for a mode when the session is created. */
+  constructor(handlers, { token = null, mode = null } = {}) {
     this.on = handlers;
     this.token = token;
+    this.mode = mode;
     this.socket = null;
     this.session = null; // {id, rate, chunkMs, limits} of the current session
     this.lastResultId = null; // id of the last result received, for resume
@@ -80,6 +82,8 @@ export class SpeechStream {
     if (this.session) {
       auth.session = this.session.id;
       if (this.lastResultId) auth.last_result = this.lastResultId;
+    } else if (this.mode) {
+      auth.mode = this.mode;
     }
     return auth;
   }

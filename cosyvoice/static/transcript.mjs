@@ -1,5 +1,7 @@
 // The transcript on the page: final results appended, the current partial greyed and
-// replaced in place, word times and confidence on every final word.
+// replaced in place, word times and confidence on every final word, and the engine that
+// produced each final. The finals are kept for the downloads (subtitles.mjs): the page
+// shows each final's own text, so a downloaded file says what the page says.
 
 const LOW_CONFIDENCE = 0.5;
 
@@ -13,6 +15,7 @@ export class TranscriptView {
     this.finals = finals;
     this.partial = partial;
     this.placeholder = placeholder;
+    this.results = []; // the finals with text, in order
   }
 
   /** The hypothesis of utterance `utterance` so far. */
@@ -28,27 +31,34 @@ export class TranscriptView {
     if (this.partialUtterance === undefined || this.partialUtterance <= result.utterance) {
       this.partial.textContent = "";
     }
-    const words = (result.words ?? []).filter((w) => w.word);
-    if (!result.text && !words.length) {
+    const text = (result.text ?? "").trim();
+    if (!text) {
       this.update();
       return;
     }
+    this.results.push(result);
+    const tokens = text.split(/\s+/);
+    const words = (result.words ?? []).filter((w) => String(w.word ?? "").trim());
     const segment = document.createElement("span");
     segment.className = "segment";
-    segment.title = `${seconds(result.start)} – ${seconds(result.end)}`;
-    if (words.length) {
-      words.forEach((w, i) => {
+    const engine = result.engine ? ` · ${result.engine}` : "";
+    segment.title = `${seconds(result.start)} – ${seconds(result.end)}${engine}`;
+    if (result.engine) segment.dataset.engine = result.engine;
+    if (words.length === tokens.length) {
+      // the final's words, each with its time and confidence
+      tokens.forEach((token, i) => {
+        const w = words[i];
         const span = document.createElement("span");
         span.className = "word";
         if (w.conf < LOW_CONFIDENCE) span.classList.add("low");
         const confidence = `${Math.round(w.conf * 100)}%`;
-        span.title = `${w.word}: ${seconds(w.start)}–${seconds(w.end)}, confidence ${confidence}`;
+        span.title = `${token}: ${seconds(w.start)}–${seconds(w.end)}, confidence ${confidence}`;
         span.dataset.detail = `${seconds(w.start)} · ${confidence}`;
-        span.textContent = w.word;
+        span.textContent = token;
         segment.append(i ? " " : "", span);
       });
     } else {
-      segment.textContent = result.text;
+      segment.textContent = text;
     }
     if (this.finals.childElementCount) this.finals.append(" ");
     this.finals.append(segment);
@@ -56,14 +66,16 @@ export class TranscriptView {
   }
 
   clear() {
+    this.results = [];
     this.finals.replaceChildren();
     this.partial.textContent = "";
     this.partialUtterance = undefined;
     this.update();
   }
 
+  /** The transcript as the page shows it (the engine tags are the stylesheet's). */
   text() {
-    return this.finals.textContent.trim();
+    return this.results.map((r) => r.text.trim()).join(" ");
   }
 
   update() {
