@@ -1,6 +1,9 @@
-"""The gateway's per-chunk Redis path: one round trip, one write, survives a lost script cache."""
+"""The Redis layer's paths: the gateway's per chunk (one round trip, one write, survives a lost
+script cache) and the replay of results after a reconnect."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -69,3 +72,18 @@ def test_appends_survive_a_flushed_script_cache(gateway_redis_client):
         (busmod.AppendStatus.DUPLICATE, 3)]
     assert client.xlen(busmod.audio_key("paths-flush")) == 3
     client.delete(*busmod.session_keys("paths-flush"))
+
+
+def test_replay_reads_every_result_the_stream_keeps(fresh_redis_client):
+    """A client resuming after its last result gets every later result the stream keeps:
+    with the stream's length raised, more than a thousand."""
+    bus = busmod.Bus(fresh_redis_client, stream_maxlen=3000)
+    sid = "replay-all"
+    bus.create_session(sid, 16000)
+    for batch in range(15):
+        results = [{"type": "final", "text": f"r{batch * 100 + k}"} for k in range(100)]
+        assert bus.publish_results(sid, results, ttl_s=60)
+    stored = bus.results_after(sid)
+    assert [json.loads(r)["text"] for _, r in stored] == [f"r{k}" for k in range(1500)]
+    after = bus.results_after(sid, stored[499][0])
+    assert [json.loads(r)["text"] for _, r in after] == [f"r{k}" for k in range(500, 1500)]

@@ -1,6 +1,6 @@
 """The pure rules, without Redis or processes: backoff, the gateway's acks and session
 event, the worker's per-entry results and checkpoint, admission and placement (the Lua
-rules of cosyvoice/bus.py, run in Lua 5.1 as Redis runs them), the client's send window,
+rules of cosyvoice/lua/rules.lua, run in Lua 5.1 as Redis runs them), the client's send window,
 and the client's handlers driven from several threads with events out of order."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from lupa import lua51
 
 from cosyvoice import bus as busmod
+from cosyvoice import scripts
 from cosyvoice.backoff import Backoff
 from cosyvoice.client import MAX_IN_FLIGHT, SendWindow, StreamingClient
 from cosyvoice.errors import BadChunk, Internal, SeqGap, SessionExpired
@@ -112,7 +113,7 @@ def test_the_last_entry_ends_the_session_and_marks_it_done():
 # ---- admission and placement (Lua rules) ---------------------------------------------------
 
 RULE_EXAMPLES = settings(max_examples=500, deadline=None)
-RULE_NAMES = re.findall(r"^local function (\w+)", busmod.RULES, re.M)
+RULE_NAMES = re.findall(r"^local function (\w+)", scripts.RULES, re.M)
 
 
 @pytest.fixture(scope="module")
@@ -120,24 +121,24 @@ def rules() -> SimpleNamespace:
     """The rules as Redis runs them: the same source, in Lua 5.1 (the version Redis
     embeds), with no ``redis`` object, so a rule that touched Redis would fail here."""
     lua = lua51.LuaRuntime()
-    table = lua.execute(busmod.RULES + "\nreturn {"
+    table = lua.execute(scripts.RULES + "\nreturn {"
                         + ", ".join(f"{n} = {n}" for n in RULE_NAMES) + "}")
     return SimpleNamespace(lua=lua, **{name: table[name] for name in RULE_NAMES})
 
 
 def _age(rules, body: str):
-    """A Lua function for takes_new's ``age``, as _PLACE passes one. Lua functions, not
+    """A Lua function for takes_new's ``age``, as place.lua passes one. Lua functions, not
     Python callables: lupa 2.8 now and then calls the wrong Python object from Lua when
     many short-lived callables cross over (a TypeError naming a comprehension's '.0')."""
     return rules.lua.eval(f"function() {body} end")
 
 
 def test_every_control_plane_script_decides_through_the_rules():
-    assert "redis." not in busmod.RULES
+    assert "redis." not in scripts.RULES
     assert set(RULE_NAMES) == {"admits", "least_loaded_other", "is_least", "nothing_to_place",
                                "orphan_idle_ms", "takes_new"}
-    scripts = busmod._ADMIT + busmod._PLACE
-    assert all(re.search(rf"\b{name}\(", scripts) for name in RULE_NAMES)
+    control = scripts.ADMIT + scripts.PLACE
+    assert all(re.search(rf"\b{name}\(", control) for name in RULE_NAMES)
 
 
 def test_admission_admits_while_open_sessions_are_fewer_than_the_capacity(rules):
@@ -173,7 +174,7 @@ def test_the_least_loaded_other_worker_is_by_load_over_capacity_and_has_room(rul
 
 def _place_burst(rules, caps: dict[str, int], sessions: int, seed: int) -> dict[str, int]:
     """Placement rounds in a random order (Redis runs one script at a time), each taking
-    one session at a time while its worker is the least loaded, as _PLACE does, with
+    one session at a time while its worker is the least loaded, as place.lua does, with
     no announcement old enough for a worker that is not."""
     rng = random.Random(seed)
     load = dict.fromkeys(caps, 0)

@@ -1,0 +1,51 @@
+"""Every Redis key name cosyvoice uses, in one place.
+
+All keys of one session share the hash tag ``{SID}`` (the part Redis Cluster hashes), so
+a session's keys live in one slot and its scripts run unchanged on a cluster. The
+control keys (the announcement stream, the live workers and their capacities) are
+shared by every session. The layout as a whole is in README.md, "Redis layout and
+session ownership".
+"""
+
+from __future__ import annotations
+
+SESSIONS = "sessions"
+WORKER_GROUP = "workers"
+WORKERS = "workers"
+WORKER_CAPACITY = "worker_capacity"
+# A live worker's entry in WORKERS is dropped this long after its heartbeat lapsed.
+WORKER_FORGET_MS = 60_000
+# The keys the admission and placement scripts read, in their order.
+CONTROL_KEYS = [SESSIONS, WORKERS, WORKER_CAPACITY]
+# The announcement stream keeps this many entries (each is a few dozen bytes).
+SESSIONS_MAXLEN = 10000
+
+
+def audio_key(sid: str) -> str:
+    return f"audio:{{{sid}}}"
+
+
+def text_key(sid: str) -> str:
+    """Both the result stream (replay) and the pub/sub channel (live)."""
+    return f"text:{{{sid}}}"
+
+
+def session_key(sid: str) -> str:
+    return f"session:{{{sid}}}"
+
+
+def lease_key(sid: str) -> str:
+    return f"lease:{{{sid}}}"
+
+
+def client_key(address: str) -> str:
+    """Sorted set of one client address's sessions (score: when the slot lapses)."""
+    return f"client:{address}"
+
+
+def session_keys(sid: str) -> list[str]:
+    return [session_key(sid), audio_key(sid), text_key(sid), lease_key(sid)]
+
+
+def sid_from_channel(channel: str) -> str:
+    return channel[channel.index("{") + 1:channel.rindex("}")]

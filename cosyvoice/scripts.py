@@ -1,0 +1,37 @@
+"""The Lua scripts of the Redis layer, each in its own file under ``cosyvoice/lua/``.
+
+Each file says what its script does, which KEYS and ARGV it takes and what it returns.
+They are read once, at import; ``Bus`` registers them with its client (redis-py sends
+each by its SHA and loads it again where a server lacks it). The control plane's scripts
+(live workers, admission, placement) run after two shared parts: ``rules.lua``, the pure
+decisions that tests/test_rules.py runs in Lua 5.1 without Redis, and ``workers.lua``,
+the live workers and their loads.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+
+def source(name: str) -> str:
+    """The text of ``cosyvoice/lua/<name>.lua``."""
+    return (files("cosyvoice") / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+
+
+# a session's data
+APPEND = source("append")
+PUBLISH = source("publish")
+RESUME = source("resume")
+RELEASE_CONN = source("release_conn")
+SLOT = source("slot")
+# leases
+RENEW = source("renew")
+RELEASE = source("release")
+# the control plane
+RULES = source("rules")
+_PRELUDE = RULES + source("workers")
+LIVE_WORKERS = _PRELUDE + source("live_workers")
+ADMIT = _PRELUDE + source("admit")
+PLACE = _PRELUDE + source("place")
+HEARTBEAT = source("heartbeat")
+FORGET_CONSUMERS = source("forget_consumers")
