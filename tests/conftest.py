@@ -23,7 +23,8 @@ from .helpers import TEST_ENV
 
 
 def pytest_configure(config):
-    tiers.FAST = config.getoption("markexpr") == "fast"
+    tiers.choose(config.getoption("markexpr") == "fast",
+                 config.getoption("hypothesis_profile", None))
 
 
 @pytest.fixture(scope="session")

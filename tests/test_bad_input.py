@@ -24,7 +24,6 @@ from cosyvoice.settings import Settings
 from cosyvoice.webui import create_app
 
 from .inprocess import open_test_client
-from .tiers import fuzz_examples
 
 pytestmark = pytest.mark.fast
 
@@ -199,7 +198,8 @@ def test_token_bucket_refills_at_its_rate():
 
 # ---- fuzzing -----------------------------------------------------------------------
 
-FUZZ = settings(max_examples=fuzz_examples(), deadline=None,
+# the tier's hypothesis profile (tests/tiers.py) sets how many examples
+FUZZ = settings(deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 protobuf_like = st.one_of(
@@ -249,7 +249,7 @@ auth_values = st.one_of(
     }))
 
 
-@settings(FUZZ, max_examples=fuzz_examples(full=3_000))
+@settings(FUZZ, max_examples=min(FUZZ.max_examples, 3_000))
 @given(auth=auth_values)
 def test_fuzz_connect_handler_only_answers_documented_errors(app, auth):
     client = open_test_client(app, auth=auth, until_session=True)

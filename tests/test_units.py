@@ -317,3 +317,20 @@ def test_subtitle_cues_are_readable_ordered_and_carry_every_word():
     assert doc["finals"][0]["words"][0]["word"] == "Glue"
     assert set(doc["finals"][0]["words"][0]) == {"word", "start", "end", "conf"}
     assert doc["finals"][0]["engine"] == "whisper-live"
+
+
+@pytest.mark.fast
+def test_the_task_runner_runs_the_readme_test_command():
+    """`make install test` is the README's command to install and run every test."""
+    import re
+    import subprocess
+
+    from .helpers import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"^pip install -e '\.\[test\]' && .*python -m pytest$", readme, re.M)
+    assert command is not None
+    dry = subprocess.run(["make", "-n", "install", "test"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30, check=True).stdout.splitlines()
+    steps = [s.replace("python -m pip ", "pip ") for s in dry]
+    assert steps == command.group(0).split(" && ")

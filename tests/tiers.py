@@ -1,13 +1,29 @@
-"""The test tiers: ``python -m pytest -m fast`` (unit and in-process tests) and the full run.
+"""The test tiers and the hypothesis profile each runs with.
 
-``conftest.pytest_configure`` sets ``FAST`` before any test module is imported, so a
-module may size its work by tier: the fuzzers run 10 000 examples in the full run (3 000
-for the connect handler, whose every example is a whole connect and disconnect, 12 ms) and
-a few hundred in the fast tier, where they guard against regressions rather than search.
+Tiers: ``python -m pytest -m fast`` (unit, in-process and single-command tests, under two
+minutes; ``make fast``) and the full run (``make test``). ``conftest.pytest_configure``
+sets ``FAST`` before any test module is imported and loads the tier's profile, unless
+``--hypothesis-profile`` names one:
+
+- ``full``: 10 000 examples a fuzzer (in the full run they search);
+- ``fast``: 300 (in the fast tier they guard against regressions).
+
+A fuzzer whose every example is expensive caps the count below its profile's (the
+connect handler: 3 000 examples of a whole connect and disconnect, 12 ms each).
 """
+
+from __future__ import annotations
+
+from hypothesis import settings
 
 FAST = False
 
+settings.register_profile("full", max_examples=10_000, deadline=None)
+settings.register_profile("fast", max_examples=300, deadline=None)
 
-def fuzz_examples(full: int = 10_000) -> int:
-    return 300 if FAST else full
+
+def choose(fast: bool, asked: str | None) -> None:
+    """The tier, and the profile asked for on the command line or else the tier's."""
+    global FAST
+    FAST = fast
+    settings.load_profile(asked or ("fast" if fast else "full"))
