@@ -91,19 +91,22 @@ class OfferedClient(Client):
             self.steady_final_ms.extend(self.final_ms[n_final:])
 
 
-def waits_p95(metrics_url: str) -> dict[str, float | None]:
-    """P95 (ms) of the schedulers' decode waits, from the pool's histogram (linear within
-    a bucket)."""
+def samples(metrics_url: str, family: str) -> list:
+    """The samples of one metric family on the pool's /metrics page."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return [s for f in text_string_to_metric_families(text) if f.name == family
+            for s in f.samples]
+
+
+def waits_p95(metrics_url: str) -> dict[str, float | None]:
+    """P95 (ms) of the schedulers' decode waits, from the pool's histogram (linear within
+    a bucket)."""
     buckets: dict[str, list[tuple[float, float]]] = {"final": [], "partial": []}
-    for family in text_string_to_metric_families(text):
-        if family.name != "cosyvoice_decode_wait_seconds":
-            continue
-        for s in family.samples:
-            if s.name.endswith("_bucket") and s.labels.get("kind") in buckets:
-                buckets[s.labels["kind"]].append((float(s.labels["le"]), s.value))
+    for s in samples(metrics_url, "cosyvoice_decode_wait_seconds"):
+        if s.name.endswith("_bucket") and s.labels.get("kind") in buckets:
+            buckets[s.labels["kind"]].append((float(s.labels["le"]), s.value))
     out: dict[str, float | None] = {}
     for kind, rows in buckets.items():
         rows.sort()
@@ -126,11 +129,7 @@ def waits_p95(metrics_url: str) -> dict[str, float | None]:
 
 def busy_now(metrics_url: str) -> float:
     """The pool's schedulers' busy fraction, added up over its processes."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text)
-               if f.name == "cosyvoice_decode_busy_ratio" for s in f.samples)
+    return sum(s.value for s in samples(metrics_url, "cosyvoice_decode_busy_ratio"))
 
 
 def run(scenario: str, offered: int, workers: int, seconds: float, hogs: int) -> dict:
@@ -144,7 +143,7 @@ def run(scenario: str, offered: int, workers: int, seconds: float, hogs: int) ->
     if scenario.endswith("+hog"):
         hog_procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                      for _ in range(hogs)]
-    samples: list[tuple[float, int, int, float]] = []  # (t, sessions, capacity, busy)
+    seen: list[tuple[float, int, int, float]] = []  # (t, sessions, capacity, busy)
     try:
         with Stack(processes=workers, env=env, metrics=True) as stack:
             bus = busmod.Bus(stack.client, 1000)
@@ -156,7 +155,7 @@ def run(scenario: str, offered: int, workers: int, seconds: float, hogs: int) ->
                 assert stack.pool.metrics_url is not None
                 while not stop.wait(1.0):
                     live = bus.live_workers()
-                    samples.append((time.monotonic() - start, sum(w["load"] for w in live),
+                    seen.append((time.monotonic() - start, sum(w["load"] for w in live),
                                     sum(w["capacity"] for w in live),
                                     busy_now(stack.pool.metrics_url)))
 
@@ -178,7 +177,7 @@ def run(scenario: str, offered: int, workers: int, seconds: float, hogs: int) ->
         for p in hog_procs:
             p.kill()
             p.wait(10)
-    steady = [s for s in samples if WARMUP_S <= s[0] <= seconds] or samples
+    steady = [s for s in seen if WARMUP_S <= s[0] <= seconds] or seen
     errors = [e for c in clients for e in c.errors]
     level: dict[str, Any] = {
         "scenario": scenario, "offered": offered,

@@ -24,11 +24,13 @@ def read_audio(source: str | Path | BinaryIO) -> tuple[bytes, int]:
     Raises AudioFileError, with one line saying why, for anything that is not audio."""
     import av
 
-    name = source if isinstance(source, (str, Path)) else "standard input"
-    if not isinstance(source, (str, Path)):
-        source = io.BytesIO(source.read())  # FFmpeg seeks; a pipe cannot
+    if isinstance(source, (str, Path)):
+        name: str | Path = source
+        opened: str | BinaryIO = str(source)
+    else:
+        name, opened = "standard input", io.BytesIO(source.read())  # FFmpeg seeks; a pipe cannot
     try:
-        container = av.open(source if not isinstance(source, Path) else str(source), "r")
+        container = av.open(opened, "r")
     except FileNotFoundError:
         raise AudioFileError(f"cannot read {name}: no such file") from None
     except IsADirectoryError:

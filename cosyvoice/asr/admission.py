@@ -48,8 +48,8 @@ MAX_HOLD = 160  # time it is over target again, up to this
 
 @dataclass(frozen=True)
 class Targets:
-    final_wait_s: float  # P95 of a final's hand-over to decoded
-    partial_wait_s: float  # P95 of a session's wait for a fresh partial
+    final_wait_s: float  # P95 of a final's wait in the queue (hand-over to its decode)
+    partial_wait_s: float  # P95 of a session's wait for a partial decode to start
     busy: float  # the scheduler's busy fraction the fit aims at
 
 

@@ -212,11 +212,9 @@ class App {
     }
     this.fileSending = false;
     this.setState("finishing");
-    const ended = await stream.waitEnd(END_TIMEOUT_MS + pcm.length / FILE_RATE * 1000);
-    if (stream !== this.stream) return;
-    if (!ended) this.showError("timeout");
-    else this.message.hidden = true;
-    await this.close();
+    if (await this.finish(stream, END_TIMEOUT_MS + pcm.length / FILE_RATE * 1000)) {
+      this.message.hidden = true; // "Transcribing …" is done
+    }
   }
 
   setState(state) {
@@ -282,18 +280,22 @@ class App {
       this.fileSending = false;
       this.setState("finishing");
       stream.send({ pcm: new Int16Array(0), sampleRate: FILE_RATE, last: true });
-      const ended = await stream.waitEnd(END_TIMEOUT_MS);
-      if (stream !== this.stream) return;
-      if (!ended) this.showError("timeout");
-      await this.close();
+      await this.finish(stream, END_TIMEOUT_MS);
       return;
     }
     this.setState("finishing");
     await mic.finish(); // the worklet's last chunk goes out through onChunk with last=true
-    const ended = await stream.waitEnd(END_TIMEOUT_MS);
-    if (stream !== this.stream) return; // a fatal error already closed this recording
+    await this.finish(stream, END_TIMEOUT_MS);
+  }
+
+  /** After the last chunk: waits for the server's `end`, says if it did not come, and
+   * closes. True when `end` came (false also when a fatal error closed it meanwhile). */
+  async finish(stream, timeoutMs) {
+    const ended = await stream.waitEnd(timeoutMs);
+    if (stream !== this.stream) return false; // a fatal error already closed this recording
     if (!ended) this.showError("timeout");
     await this.close();
+    return ended;
   }
 
   async close() {
