@@ -1,12 +1,13 @@
-# The project's tasks, one command each: `make lint`, `make types`, `make fast` (the fast
-# tier, under 2 minutes), `make test` (the whole suite, as .ci/run runs it), `make install`
-# (what the tests need), `make bench NAME=admission ARGS="--offered 16"` (one benchmark under
-# benchmarks/), `make serve` (the whole service on this machine).
+# The project's tasks, one command each: `make lint`, `make types`, `make docs` (the
+# documentation site, strict), `make unit` (the unit tier), `make fast` (the fast tier, under
+# 2 minutes), `make test` (everything, as .ci/run runs it), `make install` (what the tests
+# need), `make bench NAME=admission ARGS="--offered 16"` (one benchmark under benchmarks/),
+# `make serve` (the whole service on this machine). docs/development.md has the table.
 PYTHON ?= python
 NAME ?=
 ARGS ?=
 
-.PHONY: install lint types fast test bench serve
+.PHONY: install lint types docs unit fast test bench serve
 
 install:
 	$(PYTHON) -m pip install -e '.[test]'
@@ -18,10 +19,16 @@ lint:
 types:
 	mypy
 
+docs:
+	mkdocs build --strict
+
+unit:
+	$(PYTHON) -m pytest -m unit
+
 fast: lint types
 	$(PYTHON) -m pytest -m fast
 
-test: lint types
+test: lint types docs
 	$(PYTHON) -m pytest
 
 bench:

@@ -3,7 +3,7 @@
     gunicorn -c gunicorn.conf.py cosyvoice.webui:app
 
 Everything comes from the same COSYVOICE_* variables as the rest of cosyvoice (see the
-README's configuration table): bind address and port, processes, timeouts, log level.
+the table in docs/configuration.md): bind address and port, processes, timeouts, log level.
 The gateway accepts WebSocket connections only, so each connection lives in exactly one
 process and ``workers`` may be any number; several instances sit behind nginx.
 

@@ -4,7 +4,7 @@ Imports stay lazy: ``gateway`` must let gevent patch the standard library before
 or Flask are imported.
 
 Every failure ends with one line on stderr, ``cosyvoice COMMAND: what went wrong``, and
-one of the ``EXIT_*`` statuses below (the table in the README's "The command line").
+one of the ``EXIT_*`` statuses below (the table in docs/cli.md, "Exit status").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 All keys of one session share the hash tag ``{SID}`` (the part Redis Cluster hashes), so
 a session's keys live in one slot and its scripts run unchanged on a cluster. The
 control keys (the announcement stream, the live workers and their capacities) are
-shared by every session. The layout as a whole is in README.md, "Redis layout and
+shared by every session. The layout as a whole is in docs/architecture.md, "Redis layout and
 session ownership".
 """
 

@@ -27,6 +27,16 @@ def pytest_configure(config):
                  config.getoption("hypothesis_profile", None))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every test is at exactly one level (tests/tiers.py), so ``-m unit`` and the rest
+    split the suite without gaps or overlaps."""
+    wrong = [f"{item.nodeid}: {levels or 'none'}" for item in items
+             if len(levels := sorted({m.name for m in item.iter_markers()} & tiers.LEVELS)) != 1]
+    if wrong:
+        raise pytest.UsageError("tests need exactly one level marker "
+                                f"({', '.join(sorted(tiers.LEVELS))}):\n" + "\n".join(wrong))
+
+
 @pytest.fixture(scope="session")
 def artifacts() -> Path:
     path = Path(os.environ.get("COSYVOICE_TEST_ARTIFACTS", "test-artifacts")).resolve()

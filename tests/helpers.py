@@ -47,6 +47,11 @@ def harvard_texts() -> dict[str, str]:
     return _tsv("harvard.tsv")
 
 
+def reference_text(name: str) -> str:
+    """The reference text beside fixture ``name`` (``name.txt``: the name, a tab, the text)."""
+    return (FIXTURES / f"{name}.txt").read_text().split("\t", 1)[1].strip()
+
+
 def read_pcm(name: str) -> bytes:
     with wave.open(str(FIXTURES / f"{name}.wav"), "rb") as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (16000, 1, 2)

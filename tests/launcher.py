@@ -4,7 +4,7 @@ The one launcher: every test fixture and benchmark that needs a running service 
 it here, so they all run the same commands with the same environment (tests of a command
 itself, such as ``cosyvoice serve`` or an installed script, run it as a user would).
 The production gateway is ``gunicorn -c gunicorn.conf.py cosyvoice.webui:app`` read
-from docker-compose.yml, as the README has operators run it (all settings from
+from docker-compose.yml, as docs/deployment.md has operators run it (all settings from
 ``COSYVOICE_*``); ``cosyvoice gateway`` is the single-process server of
 ``cosyvoice serve``, quicker to start. A worker pool is docker-compose's
 ``cosyvoice worker``, sized by ``COSYVOICE_WORKERS``.

@@ -2,7 +2,7 @@
 
 Gateways and worker pools are tests/launcher.py's (docker-compose.yml's commands).
 nginx's configuration is deploy/nginx.conf rendered by deploy/render-nginx.sh, the way
-the README tells operators to, with test paths and ports. ``Stream`` is a minimal,
+docs/deployment.md tells operators to, with test paths and ports. ``Stream`` is a minimal,
 single-threaded Socket.IO client; ``scrape`` reads a /metrics page.
 """
 
@@ -28,7 +28,7 @@ from . import launcher
 from .launcher import ROOT, terminate
 
 COMPOSE = yaml.safe_load(launcher.COMPOSE_FILE.read_text())
-# The commands README documents; tests/test_deploy.py checks docker-compose.yml runs them.
+# The commands docs/deployment.md documents; tests/test_deploy.py checks docker-compose.yml runs them.
 GATEWAY_COMMAND = ["gunicorn", "-c", "gunicorn.conf.py", "cosyvoice.webui:app"]
 WORKER_COMMAND = ["cosyvoice", "worker"]
 NAMESPACE = "/ws"
@@ -71,7 +71,7 @@ def render_env(http_port: int, https_port: int, cert: Path, key: Path,
 
 
 def render(env: dict[str, str]) -> subprocess.CompletedProcess:
-    """deploy/render-nginx.sh, exactly as the README has operators run it."""
+    """deploy/render-nginx.sh, exactly as docs/deployment.md has operators run it."""
     return subprocess.run(["sh", str(ROOT / "deploy" / "render-nginx.sh")],
                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env},
                           capture_output=True, text=True)

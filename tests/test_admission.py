@@ -17,6 +17,8 @@ from .helpers import TEST_ENV
 from .launcher import Gateway, WorkerPool, wait_for
 from .stack import Stream
 
+pytestmark = pytest.mark.system
+
 CAPACITY = 3
 GATEWAY_ENV = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0", "COSYVOICE_OVERLOAD_RETRY_MS": "1500"}
 

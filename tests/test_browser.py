@@ -31,6 +31,8 @@ from cosyvoice.embedded_redis import free_port
 from . import launcher
 from .helpers import FIXTURES, TEST_ENV, fixture_texts, phase_bound, read_pcm, wer
 
+pytestmark = pytest.mark.e2e
+
 TEXTS = fixture_texts()
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 PAD_BEFORE_S = 1.0

@@ -17,6 +17,8 @@ from . import launcher
 from .helpers import TEST_ENV, read_pcm
 from .launcher import wait_for
 
+pytestmark = pytest.mark.system
+
 SESSION_PREFIXES = ("session:", "audio:", "text:", "lease:", "client:")
 
 

@@ -1,6 +1,6 @@
 """Bad input to every command: one clear line on stderr and the documented exit status.
 
-The statuses are ``cosyvoice.cli.EXIT_*`` (README, "Exit status"); each case runs the
+The statuses are ``cosyvoice.cli.EXIT_*`` (docs/cli.md, "Exit status"); each case runs the
 real command in a subprocess, against real services where it needs one.
 """
 
@@ -27,6 +27,8 @@ from cosyvoice.embedded_redis import free_port
 
 from . import launcher
 from .helpers import FIXTURES, ROOT, read_pcm, wer
+
+pytestmark = pytest.mark.system
 
 WEATHER = FIXTURES / "weather.wav"
 SECRET = "cli-test-secret"

@@ -2,7 +2,7 @@
 gunicorn gateway instances (one with two processes), two ASR worker pools and Redis.
 
 The commands are docker-compose.yml's and nginx runs deploy/nginx.conf rendered the way
-the README tells operators to (see tests/stack.py).
+docs/deployment.md tells operators to (see tests/stack.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from .stack import (
     start_nginx,
     trusting,
 )
+
+pytestmark = pytest.mark.e2e
 
 TEXTS = fixture_texts()
 DEBUG_MEM_ENV = {"DEBUG_MEM": "1", "DEBUG_MEM_INTERVAL_S": "1"}

@@ -24,9 +24,12 @@ from .helpers import (
     fixture_texts,
     harvard_texts,
     read_pcm,
+    reference_text,
     run_stream,
     wer,
 )
+
+pytestmark = pytest.mark.unit
 
 CONTRACT_ENGINES = sorted(name for name, spec in ENGINES.items() if not spec.finals_stage)
 HARVARD = harvard_texts()
@@ -35,10 +38,6 @@ HARVARD = harvard_texts()
 def fixture(name: str) -> bytes:
     with wave.open(str(FIXTURES / f"{name}.wav"), "rb") as w:
         return w.readframes(w.getnframes())
-
-
-def reference(name: str) -> str:
-    return (FIXTURES / f"{name}.txt").read_text().split("\t", 1)[1].strip()
 
 
 _MODELS: dict[str, object] = {}
@@ -87,7 +86,7 @@ def test_contract_results_have_one_shape(engine):
     if name != "null":
         assert [f["utterance"] for f in finals(results)] == [0, 1]
         assert finals(results)[0]["end"] <= finals(results)[1]["start"]
-        assert wer(reference("two_utterances"), text_of(results)) <= 0.35
+        assert wer(reference_text("two_utterances"), text_of(results)) <= 0.35
 
 
 def test_contract_flush_ends_the_open_utterance(engine):
@@ -212,13 +211,13 @@ def test_long_speech_without_a_pause_is_cut_below_the_window(live):
     results, _ = run_stream(live, pcm)
     assert len(finals(results)) >= 2
     assert all(f["end"] - f["start"] <= 20.0 + 0.3 for f in finals(results))
-    assert wer(reference("long_unbroken"), text_of(results)) <= 0.15, text_of(results)
+    assert wer(reference_text("long_unbroken"), text_of(results)) <= 0.15, text_of(results)
 
 
 def test_a_long_utterance_ends_at_a_pause_after_the_pause_cut(live):
     model = load_model("whisper-live", Settings(live_pause_cut_s=4.0))
     results, _ = run_stream(model, fixture("harvard_long"))
-    ref = reference("harvard_long")
+    ref = reference_text("harvard_long")
     assert all(f["end"] - f["start"] <= 4.0 + 1.5 for f in finals(results))
     assert wer(ref, text_of(results)) <= 0.2, text_of(results)
 
@@ -271,81 +270,3 @@ def test_a_slower_host_admits_fewer_sessions():
     assert Calibration("whisper-live", 0.2, 0.1, 4).capacity == 2
     assert Calibration("whisper-live", 0.05, 0.1, 4).capacity == 8
     assert Calibration("whisper-live", 5.0, 0.1, 4).capacity == 1  # never none
-
-
-def test_worker_calibrate_measures_this_host_and_prints_the_setting():
-    import re
-    import subprocess
-    import sys
-
-    from .helpers import ROOT
-    proc = subprocess.run([sys.executable, "-m", "cosyvoice", "worker", "--calibrate",
-                           "--engine", "whisper-live"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    match = re.fullmatch(r"COSYVOICE_WORKER_CAPACITY=(\d+)\n", proc.stdout)
-    assert match and int(match.group(1)) >= 1, proc.stdout
-    said = re.search(r"engine whisper-live: ([\d.]+) CPU-s", proc.stderr)
-    assert said and 0 < float(said.group(1)) < 1, proc.stderr
-
-
-def test_the_pool_admits_the_engines_capacity_unless_told(fresh_redis, fresh_redis_client,
-                                                          artifacts):
-    from cosyvoice import bus as busmod
-
-    from . import launcher
-    for capacity, expected in ((None, ENGINES["whisper-live"].capacity), (3, 3)):
-        pool = launcher.start_worker_pool(fresh_redis.url, capacity=capacity, logs=artifacts,
-                                          name=f"capacity-{capacity}")
-        try:
-            infos = busmod.Bus(fresh_redis_client).live_workers()
-            assert [i["capacity"] for i in infos] == [expected]
-        finally:
-            launcher.stop(pool.proc)
-            fresh_redis_client.flushall()
-
-
-def test_a_worker_admits_what_its_decode_scheduler_measures(fresh_redis, fresh_redis_client,
-                                                            artifacts):
-    """whisper-live without a fixed capacity: the capacity the worker advertises follows
-    its scheduler (cosyvoice/asr/admission.py). Told to keep its scheduler busy at most 1 %
-    of the time, a worker decoding one real-time session measures that one already costs
-    more and drops to a capacity of 1: the next session is refused as overloaded, and the
-    first goes on to its transcript."""
-    import threading
-    import time
-
-    from cosyvoice import bus as busmod
-    from cosyvoice.client import Refused, StreamingClient
-
-    from . import launcher
-    svc = launcher.start_service(fresh_redis.url, processes=1, logs=artifacts,
-                                 name="admission-follows", env={
-                                     "COSYVOICE_DECODE_BUSY_TARGET": "0.01",
-                                     "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"})
-    bus = busmod.Bus(fresh_redis_client)
-    first = StreamingClient(svc.url)
-    try:
-        assert [w["capacity"] for w in bus.live_workers()] == [ENGINES["whisper-live"].capacity]
-        first.connect()
-        streaming = threading.Thread(target=first.stream_pcm, args=(read_pcm("harvard_long"),
-                                                                    16000),
-                                     kwargs={"pace": "realtime"})
-        streaming.start()
-        deadline = time.monotonic() + 40
-        while [w["capacity"] for w in bus.live_workers()] != [1]:
-            assert time.monotonic() < deadline, bus.live_workers()
-            time.sleep(0.2)
-        second = StreamingClient(svc.url)
-        try:
-            with pytest.raises(Refused) as refused:
-                second.connect(overload_retries=0)
-            assert refused.value.code == "overloaded"
-        finally:
-            second.close()
-        streaming.join(120)
-        first.wait_end(60)
-        assert wer(reference("harvard_long"), first.result.text) < 0.15
-    finally:
-        first.close()
-        svc.stop()

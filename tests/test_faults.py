@@ -24,6 +24,8 @@ from .helpers import TEST_ENV, normalize, read_pcm
 from .launcher import wait_for
 from .netfault import CuttableProxy
 
+pytestmark = pytest.mark.system
+
 GRACE_S = 5.0
 FAULT_ENV = {**TEST_ENV, "COSYVOICE_SESSION_GRACE_S": str(GRACE_S),
              "COSYVOICE_LEASE_TTL_MS": "1500", "COSYVOICE_LEASE_RENEW_MS": "300",

@@ -16,7 +16,7 @@ from cosyvoice.webui import create_app
 
 from .inprocess import open_test_client
 
-pytestmark = pytest.mark.fast
+pytestmark = [pytest.mark.fast, pytest.mark.inprocess]
 
 CHUNK = b"\x01\x00" * 3200  # 200 ms at 16 kHz
 

@@ -31,6 +31,8 @@ from .helpers import FIXTURES, ROOT, direct_decode, fixture_texts, read_pcm, wer
 from .launcher import terminate, wait_for, wait_http
 from .test_locust import assert_clean, locust, stats
 
+pytestmark = pytest.mark.e2e
+
 WHISPER_PACKAGE = "openai-whisper==20250625"
 VENVS = Path(os.environ.get("COSYVOICE_TEST_VENVS",
                             Path.home() / ".cache" / "cosyvoice" / "test-venvs"))

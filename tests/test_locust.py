@@ -8,15 +8,19 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from .helpers import ROOT
 from .netfault import CuttableProxy
+
+pytestmark = pytest.mark.e2e
 
 MEASURES = ("connect", "ack", "chunk->partial", "last->final")
 
 
 def locust(host: str, prefix: Path, seconds: int, users: int, utterances: int,
            python: str = sys.executable, env: dict | None = None):
-    """The README's headless command, from the checkout, with ``python``'s locust."""
+    """The headless command of docs/operations.md, from the checkout, with ``python``'s locust."""
     return subprocess.Popen(
         [python, "-m", "locust", "-f", str(ROOT / "locustfile.py"), "--headless",
          "--host", host, "-u", str(users), "-r", str(users), "-t", f"{seconds}s",

@@ -19,7 +19,7 @@ def _format(record: logging.LogRecord) -> dict:
     return json.loads(logs.JsonFormatter().format(record))
 
 
-pytestmark = pytest.mark.fast
+pytestmark = [pytest.mark.fast, pytest.mark.inprocess]
 
 
 def test_log_records_are_one_json_line_with_session_and_event():

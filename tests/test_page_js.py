@@ -15,7 +15,7 @@ from .helpers import ROOT
 
 NODE = shutil.which("node") or "node"
 
-pytestmark = pytest.mark.fast
+pytestmark = [pytest.mark.fast, pytest.mark.unit]
 
 
 def test_node_unit_tests_of_capture_and_session_logic_pass():

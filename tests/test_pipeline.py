@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 from cosyvoice import bus as busmod
 from cosyvoice.audio import split_chunks
 from cosyvoice.client import StreamingClient, transcribe_pcm
+from cosyvoice.protocol import encode_chunk
 
 from . import launcher
 from .helpers import (
@@ -28,6 +30,8 @@ from .helpers import (
     wer,
 )
 from .launcher import wait_for
+
+pytestmark = pytest.mark.system
 
 TEXTS = fixture_texts()
 
@@ -249,3 +253,19 @@ def test_page_is_served_with_a_same_origin_content_security_policy(service):
     policy = reply.headers["Content-Security-Policy"]
     assert "default-src 'self'" in policy and "unsafe" not in policy
     assert reply.headers["X-Content-Type-Options"] == "nosniff"
+
+
+def test_the_running_gateway_stores_large_frames_exactly(service, redis_client):
+    """A 1 s chunk at 48 kHz takes a frame with a 64-bit length: stored byte for byte."""
+    client = StreamingClient(service.url, sample_rate=48000)
+    try:
+        client.connect()
+        payload = encode_chunk(os.urandom(96000), 0, sample_rate=48000, sent_ms=12345)
+        assert len(payload) > 65535
+        ack = client.sio.call("audio_chunk", payload, namespace="/ws", timeout=10)
+        assert ack == {"seq": 0}
+        [(_id, fields)] = redis_client.xrange(busmod.audio_key(client.result.session))
+        assert fields[b"pb"] == payload
+    finally:
+        client.stop()
+        client.close()

@@ -15,6 +15,7 @@ import uuid
 from collections import Counter
 
 import psutil
+import pytest
 import redis
 
 from cosyvoice import bus as busmod
@@ -23,6 +24,8 @@ from cosyvoice.protocol import encode_chunk
 from . import launcher
 from .helpers import read_pcm
 from .launcher import wait_for
+
+pytestmark = pytest.mark.system
 
 CAPACITY = 6
 # Long enough that a pool's replacement for a killed process is live before the killed

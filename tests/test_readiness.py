@@ -18,6 +18,8 @@ from .helpers import TEST_ENV, read_pcm
 from .launcher import Gateway, WorkerPool, terminate, wait_for
 from .stack import Stream, scrape
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture
 def parts(tmp_path, artifacts):

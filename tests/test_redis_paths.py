@@ -9,7 +9,7 @@ import pytest
 
 from cosyvoice import bus as busmod
 
-pytestmark = pytest.mark.fast
+pytestmark = [pytest.mark.fast, pytest.mark.inprocess]
 
 CHUNK = b"\x01\x02" * 3200 + b"\x00" * 30  # a 200 ms chunk's protobuf size
 

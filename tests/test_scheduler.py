@@ -22,6 +22,8 @@ from cosyvoice.settings import Settings
 
 from .helpers import finals, read_pcm, run_stream
 
+pytestmark = pytest.mark.unit
+
 WAIT_S = 10.0
 
 

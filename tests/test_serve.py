@@ -9,12 +9,15 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from cosyvoice.client import transcribe_pcm
 from cosyvoice.embedded_redis import free_port
 
 from .helpers import ROOT, direct_decode, fixture_texts, read_pcm, wer
 from .launcher import wait_http
+
+pytestmark = pytest.mark.e2e
 
 
 def test_serve_runs_everything_and_ctrl_c_leaves_nothing_behind(artifacts):

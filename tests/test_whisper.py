@@ -36,6 +36,8 @@ from .helpers import (
 )
 from .launcher import wait_for
 
+pytestmark = pytest.mark.system
+
 SENTENCES = fixture_texts()
 HARVARD = harvard_texts()
 TEXTS = {**SENTENCES, **HARVARD}

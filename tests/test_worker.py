@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from cosyvoice import bus as busmod
+from cosyvoice.asr import ENGINES
 from cosyvoice.audio import split_chunks
 
 from . import launcher
@@ -22,12 +23,15 @@ from .helpers import (
     direct_decode,
     fixture_texts,
     read_pcm,
+    reference_text,
     results,
     rounds_until,
     wer,
     write_session,
 )
 from .launcher import terminate, wait_for
+
+pytestmark = pytest.mark.system
 
 LEASE_MS = 1000
 # Short leases, so that a hand-over or take-over happens within a test.
@@ -212,3 +216,84 @@ def test_an_engine_failure_ends_only_its_session_with_an_internal_error(fresh_re
     write_session(bus, "good", read_pcm("weather"))
     rounds_until(worker, lambda: ended(client, "good"), timeout=20)
     assert final_text(client, "good") == direct_decode(read_pcm("weather"), "pocketsphinx")
+
+
+# ---- capacity (the engine's, calibrated, or following the decode scheduler) ------------
+
+
+def test_worker_calibrate_measures_this_host_and_prints_the_setting():
+    import re
+    import subprocess
+    import sys
+
+    from .helpers import ROOT
+    proc = subprocess.run([sys.executable, "-m", "cosyvoice", "worker", "--calibrate",
+                           "--engine", "whisper-live"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    match = re.fullmatch(r"COSYVOICE_WORKER_CAPACITY=(\d+)\n", proc.stdout)
+    assert match and int(match.group(1)) >= 1, proc.stdout
+    said = re.search(r"engine whisper-live: ([\d.]+) CPU-s", proc.stderr)
+    assert said and 0 < float(said.group(1)) < 1, proc.stderr
+
+
+def test_the_pool_admits_the_engines_capacity_unless_told(fresh_redis, fresh_redis_client,
+                                                          artifacts):
+    from cosyvoice import bus as busmod
+
+    from . import launcher
+    for capacity, expected in ((None, ENGINES["whisper-live"].capacity), (3, 3)):
+        pool = launcher.start_worker_pool(fresh_redis.url, capacity=capacity, logs=artifacts,
+                                          name=f"capacity-{capacity}")
+        try:
+            infos = busmod.Bus(fresh_redis_client).live_workers()
+            assert [i["capacity"] for i in infos] == [expected]
+        finally:
+            launcher.stop(pool.proc)
+            fresh_redis_client.flushall()
+
+
+def test_a_worker_admits_what_its_decode_scheduler_measures(fresh_redis, fresh_redis_client,
+                                                            artifacts):
+    """whisper-live without a fixed capacity: the capacity the worker advertises follows
+    its scheduler (cosyvoice/asr/admission.py). Told to keep its scheduler busy at most 1 %
+    of the time, a worker decoding one real-time session measures that one already costs
+    more and drops to a capacity of 1: the next session is refused as overloaded, and the
+    first goes on to its transcript."""
+    import threading
+    import time
+
+    from cosyvoice import bus as busmod
+    from cosyvoice.client import Refused, StreamingClient
+
+    from . import launcher
+    svc = launcher.start_service(fresh_redis.url, processes=1, logs=artifacts,
+                                 name="admission-follows", env={
+                                     "COSYVOICE_DECODE_BUSY_TARGET": "0.01",
+                                     "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"})
+    bus = busmod.Bus(fresh_redis_client)
+    first = StreamingClient(svc.url)
+    try:
+        assert [w["capacity"] for w in bus.live_workers()] == [ENGINES["whisper-live"].capacity]
+        first.connect()
+        streaming = threading.Thread(target=first.stream_pcm, args=(read_pcm("harvard_long"),
+                                                                    16000),
+                                     kwargs={"pace": "realtime"})
+        streaming.start()
+        deadline = time.monotonic() + 40
+        while [w["capacity"] for w in bus.live_workers()] != [1]:
+            assert time.monotonic() < deadline, bus.live_workers()
+            time.sleep(0.2)
+        second = StreamingClient(svc.url)
+        try:
+            with pytest.raises(Refused) as refused:
+                second.connect(overload_retries=0)
+            assert refused.value.code == "overloaded"
+        finally:
+            second.close()
+        streaming.join(120)
+        first.wait_end(60)
+        assert wer(reference_text("harvard_long"), first.result.text) < 0.15
+    finally:
+        first.close()
+        svc.stop()

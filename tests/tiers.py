@@ -1,4 +1,10 @@
-"""The test tiers and the hypothesis profile each runs with.
+"""The test levels and tiers, and the hypothesis profile each tier runs with.
+
+Levels: each test module is marked with one (``pytestmark``), by what its tests start:
+``unit`` (nothing), ``inprocess`` (the gateway's test client or a worker's rounds in the
+test's own process, with a real redis-server), ``system`` (real gateway and worker
+processes) and ``e2e`` (nginx, gunicorn, Chromium, fresh installs, Locust). ``conftest``
+refuses a test with none or two, so ``python -m pytest -m LEVEL`` runs one level.
 
 Tiers: ``python -m pytest -m fast`` (unit, in-process and single-command tests, under two
 minutes; ``make fast``) and the full run (``make test``). ``conftest.pytest_configure``
@@ -17,6 +23,8 @@ from __future__ import annotations
 from hypothesis import settings
 
 FAST = False
+
+LEVELS = {"unit", "inprocess", "system", "e2e"}
 
 settings.register_profile("full", max_examples=10_000, deadline=None)
 settings.register_profile("fast", max_examples=300, deadline=None)
