@@ -30,6 +30,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,7 +93,7 @@ class Client(threading.Thread):
         self.utterances = [read_fixture(n) for n in fixture_names()]
         self.partial_ms: list[float] = []
         self.final_ms: list[float] = []
-        self.errors: list[dict] = []
+        self.errors: list[Mapping[str, Any]] = []
         self.sessions = 0
 
     def run(self) -> None:

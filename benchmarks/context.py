@@ -88,6 +88,7 @@ def utterances(pcm: bytes) -> list[bytes]:
     """The passage cut by the service's endpointer, as a worker feeds it."""
     from cosyvoice.asr.whisper_engine import TwoPassModel
     from cosyvoice.audio import split_chunks
+    from cosyvoice.messages import DeferredFinal
     from cosyvoice.settings import Settings
 
     model = TwoPassModel(Settings(engine="2pass", twopass_partials="pocketsphinx"),
@@ -95,8 +96,8 @@ def utterances(pcm: bytes) -> list[bytes]:
     stream = model.stream(16000, mode="2pass")
     out = []
     for chunk in split_chunks(pcm, 16000):
-        out += [r["audio"] for r in stream.feed(chunk, 16000) if "audio" in r]
-    out += [r["audio"] for r in stream.flush() if "audio" in r]
+        out += [r.audio for r in stream.feed(chunk, 16000) if isinstance(r, DeferredFinal)]
+    out += [r.audio for r in stream.flush() if isinstance(r, DeferredFinal)]
     return [a for a in out if a]
 
 

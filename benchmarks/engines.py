@@ -54,6 +54,7 @@ from benchmarks.transport import CpuMeter, machine  # noqa: E402
 from cosyvoice.audio import split_chunks  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
 from cosyvoice.finals import next_prompt  # noqa: E402
+from cosyvoice.messages import DeferredFinal  # noqa: E402
 from tests.helpers import (  # noqa: E402
     corpus_wer,
     finals,
@@ -81,7 +82,8 @@ def _decode(model, pcm: bytes) -> str:
     prompt = ""
     for r in finals(run_stream(model, pcm)[0]):
         # 2-pass: the final the finals process would decode, after the text before it
-        text = model.transcribe(r["audio"], prompt) if "audio" in r else r["text"]
+        text = (model.transcribe(r.audio, prompt) if isinstance(r, DeferredFinal)
+                else r["text"])
         prompt = next_prompt(prompt, text)
         texts.append(text)
     return " ".join(t for t in texts if t)

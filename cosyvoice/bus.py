@@ -6,15 +6,15 @@ trip each, in ``cosyvoice/lua/`` (``scripts.py`` reads them).
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.typing import EncodableT, KeyT, StreamIdT
 
-from . import scripts
+from . import messages, scripts
 from .keys import (  # noqa: F401 - the key names, also as bus.<name> for callers
     CONTROL_KEYS,
     SESSIONS,
@@ -31,6 +31,7 @@ from .keys import (  # noqa: F401 - the key names, also as bus.<name> for caller
     sid_from_channel,
     text_key,
 )
+from .messages import Checkpoint, Published
 
 
 class AppendStatus:
@@ -313,14 +314,15 @@ class Bus:
         reply: Any = self.r.xrange(key, start, "+", count=count)
         return [(mid.decode(), fields) for mid, fields in reply or []]
 
-    def publish_results(self, sid: str, results: list[dict], ttl_s: int,
-                        checkpoint: dict | None = None, done: bool = False) -> bool:
-        """Store and publish results; False when the session no longer exists."""
+    def publish_results(self, sid: str, results: Sequence[Published], ttl_s: int,
+                        checkpoint: Checkpoint | None = None, done: bool = False) -> bool:
+        """Store and publish results, and the checkpoint that follows them; False when the
+        session no longer exists."""
         if not results and checkpoint is None and not done:
             return True
         args: list[EncodableT] = [self.stream_maxlen, ttl_s,
-                                  json.dumps(checkpoint) if checkpoint else "", 1 if done else 0]
-        args += [json.dumps(r, separators=(",", ":")) for r in results]
+                                  checkpoint.to_json() if checkpoint else "", 1 if done else 0]
+        args += [messages.to_json(r) for r in results]
         return bool(self._publish(keys=[session_key(sid), text_key(sid), audio_key(sid)],
                                   args=args))
 

@@ -19,13 +19,15 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import socketio
 
 from .audio import split_chunks
+from .messages import EndEvent, ErrorEvent, TextEvent
 from .protocol import CHUNK_MS, NAMESPACE, encode_chunk
 
 # Chunks sent and not yet acknowledged, at most.
@@ -156,9 +158,9 @@ class SendWindow:
 @dataclass
 class Transcript:
     session: str = ""
-    partials: list[dict] = field(default_factory=list)
-    finals: list[dict] = field(default_factory=list)
-    errors: list[dict] = field(default_factory=list)
+    partials: list[TextEvent] = field(default_factory=list)
+    finals: list[TextEvent] = field(default_factory=list)
+    errors: list[ErrorEvent] = field(default_factory=list)
     # Connections the server refused (the wire error of each connect_error); an
     # `overloaded` one is retried, and only the last refusal ends the stream.
     refusals: list[dict] = field(default_factory=list)
@@ -166,14 +168,14 @@ class Transcript:
     ended: bool = False
     resumes: int = 0
     # (monotonic time, event, payload) of everything received, for latency measurements.
-    events: list[tuple[float, str, dict]] = field(default_factory=list)
+    events: list[tuple[float, str, Mapping[str, Any]]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return " ".join(f["text"] for f in self.finals if f["text"]).strip()
 
     @property
-    def fatal_errors(self) -> list[dict]:
+    def fatal_errors(self) -> list[ErrorEvent]:
         return [e for e in self.errors if e.get("code") not in RETRYABLE]
 
 
@@ -181,7 +183,7 @@ class StreamingClient:
     """One session over one (re)connecting Socket.IO client."""
 
     def __init__(self, url: str, sample_rate: int = 16000,
-                 on_event: Callable[[str, dict], None] | None = None,
+                 on_event: Callable[[str, Mapping[str, Any]], None] | None = None,
                  headers: dict | None = None, reconnect: bool = True, token: str | None = None,
                  ssl_verify: bool = True, mode: str | None = None):
         self.url = url
@@ -250,7 +252,7 @@ class StreamingClient:
             self._record("session", data)
         self._ready.set()
 
-    def _on_text(self, data: dict) -> None:
+    def _on_text(self, data: TextEvent) -> None:
         with self._lock:
             self._last_result = data.get("id", self._last_result)
             if data["type"] == "final":
@@ -262,7 +264,7 @@ class StreamingClient:
                 self.result.partials.append(data)
             self._record("text", data)
 
-    def _on_end(self, data: dict) -> None:
+    def _on_end(self, data: EndEvent) -> None:
         with self._lock:
             self._last_result = data.get("id", self._last_result)
             self.result.ended = True
@@ -270,7 +272,7 @@ class StreamingClient:
             self._lock.notify_all()
         self._done.set()
 
-    def _on_error(self, data: dict) -> None:
+    def _on_error(self, data: ErrorEvent) -> None:
         code = data.get("code")
         with self._lock:
             self.result.errors.append(data)
@@ -306,7 +308,7 @@ class StreamingClient:
         self.result.partials.clear()
         self.result.finals.clear()
 
-    def _record(self, event: str, data: dict) -> None:
+    def _record(self, event: str, data: Mapping[str, Any]) -> None:
         self.result.events.append((time.monotonic(), event, data))
         if self.on_event:
             self.on_event(event, data)
@@ -416,7 +418,7 @@ class StreamingClient:
 
 
 def transcribe_pcm(url: str, pcm: bytes, rate: int, pace: str = "realtime",
-                   on_event: Callable[[str, dict], None] | None = None,
+                   on_event: Callable[[str, Mapping[str, Any]], None] | None = None,
                    timeout: float = 60.0, stop: bool = True, **client_args) -> Transcript:
     """Stream ``pcm`` through the service and return every result it sent."""
     client = StreamingClient(url, rate, on_event=on_event, **client_args)

@@ -37,7 +37,9 @@ import queue
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable
+
+from .messages import Checkpoint, Deferred, End, Published, Result, Scheduled
 
 log = logging.getLogger("cosyvoice.worker")
 
@@ -68,35 +70,32 @@ class Context:
 
 @dataclass
 class Job:
-    """One final to decode: its utterance's audio (16 kHz PCM) and the result to fill."""
+    """One final to decode: its utterance's audio (16 kHz PCM). Once ``done``, ``result``
+    holds its text and ``after`` the session's prompt from then on (a
+    ``messages.Deferred``; the worker publishes it as a ``messages.Scheduled``)."""
     context: Context
-    result: dict
     audio: bytes
     done: bool = False
     failed: bool = False
-    after: dict = field(default_factory=dict)  # checkpoint fields once it is decoded
-
-
-class Deferred(Protocol):
-    """A decode handed over and not waited for: a finals-stage ``Job`` (it fills in its
-    result dict in place), or a whisper-live ``DecodeJob`` (cosyvoice/asr/scheduler.py;
-    the result dict refers to it as ``job``, and it is read when done). ``after``: what
-    the checkpoint stored with its entry says once it is decoded (the session's prompt)."""
-    done: bool
-    failed: bool
-    after: dict
+    dropped: bool = False  # never: a final's text is published even when empty
+    result: dict[str, Any] = field(default_factory=dict)
+    after: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class Pending:
-    """What an audio entry publishes in order: its deferred results (finals, and partials
-    of a decode scheduler) and what follows them (``end``), with the checkpoint of that
-    entry. Ready when every job it holds is done."""
+    """What an audio entry publishes in order: its results, some still being decoded
+    (``Scheduled``: finals of the finals stage, decodes of a decode scheduler), and what
+    follows them (``end``), with the checkpoint of that entry. Ready when every job it
+    holds is done."""
     entry_id: str
-    results: list[dict]
-    checkpoint: dict | None
+    results: list[Result | Scheduled | End]
+    checkpoint: Checkpoint | None
     done: bool
-    jobs: list[Deferred] = field(default_factory=list)
+
+    @property
+    def jobs(self) -> list[Deferred]:
+        return [r.job for r in self.results if isinstance(r, Scheduled)]
 
     def ready(self) -> bool:
         return all(j.done for j in self.jobs)
@@ -104,24 +103,22 @@ class Pending:
     def failed(self) -> bool:
         return any(j.failed for j in self.jobs)
 
-    def publishable(self) -> list[dict]:
-        """The results as decoded: a scheduler job's text and words, or nothing where it
-        was dropped (no speech, a partial overtaken)."""
-        out = []
+    def publishable(self) -> list[Published]:
+        """The results as decoded, leaving out those whose job was dropped (no speech,
+        a partial overtaken)."""
+        out: list[Published] = []
         for r in self.results:
-            job = r.get("job")
-            if job is None:
-                out.append(r)
-            elif not job.dropped:
-                out.append({**{k: v for k, v in r.items() if k != "job"}, **job.result})
+            decoded = r.decoded() if isinstance(r, Scheduled) else r
+            if decoded is not None:
+                out.append(decoded)
         return out
 
-    def final_checkpoint(self) -> dict | None:
+    def final_checkpoint(self) -> Checkpoint | None:
         """The stored checkpoint: the entry's, with what its last decoded final says."""
-        if self.checkpoint is None or self.checkpoint.get("done"):
+        if self.checkpoint is None or self.checkpoint.done:
             return self.checkpoint
         after = [j.after for j in self.jobs if j.after]
-        return {**self.checkpoint, **after[-1]} if after else self.checkpoint
+        return self.checkpoint.updated(after[-1]) if after else self.checkpoint
 
 
 class FinalProcess:
@@ -266,7 +263,7 @@ class FinalsStage:
             log.exception("decoding a final failed")
             job.failed = True
             text = ""
-        job.result["text"] = text
+        job.result = {"text": text}
         ctx.prompt = next_prompt(ctx.prompt, text)
         job.after = {"prompt": ctx.prompt}
         job.done = True

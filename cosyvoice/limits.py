@@ -93,10 +93,4 @@ class TokenBucket:
         return True
 
 
-def result_id_key(result_id: str) -> tuple[int, int]:
-    """Order of Redis stream ids ("ms-seq")."""
-    ms, _, seq = result_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-__all__ = ["ConnectRequest", "parse_auth", "TokenBucket", "result_id_key", "CosyvoiceError"]
+__all__ = ["ConnectRequest", "parse_auth", "TokenBucket", "CosyvoiceError"]

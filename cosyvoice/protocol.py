@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .asr import SUPPORTED_RATES
 from .chunk_pb import AudioChunkProto
 from .errors import BadChunk, TooLarge, UnsupportedRate
 
@@ -16,6 +15,8 @@ from .errors import BadChunk, TooLarge, UnsupportedRate
 NAMESPACE = "/ws"
 CHUNK_MS = 200
 SAMPLE_WIDTH = 2
+# Sample rates a session may stream at: every engine's front end resamples them exactly.
+SUPPORTED_RATES = (8000, 16000, 48000)
 # Field tags and varint lengths around the PCM: a generous bound for the envelope.
 _ENVELOPE_BYTES = 64
 _UINT32_MAX = 2**32 - 1

@@ -7,7 +7,6 @@ emits each result to its socket exactly once, replaying what a connection missed
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 
@@ -19,9 +18,8 @@ from gevent.lock import Semaphore
 from gevent.queue import Queue
 
 from . import bus as busmod
-from . import metrics
+from . import messages, metrics
 from .backoff import Backoff
-from .limits import result_id_key
 from .protocol import NAMESPACE, Chunk
 
 log = logging.getLogger("cosyvoice.gateway")
@@ -185,16 +183,9 @@ class ResultRelay:
             self._send(session, route, result_id, payload)
 
     def _send(self, session: str, route: Route, result_id: str, payload: str) -> None:
-        if route.last_id is not None and result_id_key(result_id) <= result_id_key(route.last_id):
+        if route.last_id is not None and (messages.result_id_key(result_id)
+                                          <= messages.result_id_key(route.last_id)):
             return
         route.last_id = result_id
-        result = json.loads(payload)
-        kind = result.get("type")
-        to = {"to": route.socket_id, "namespace": NAMESPACE}
-        if kind == "end":
-            self.socketio.emit("end", {"session": session, "id": result_id}, **to)
-        elif kind == "error":
-            self.socketio.emit("error", {"code": result["code"], "msg": result["msg"]}, **to)
-        else:
-            result["id"] = result_id
-            self.socketio.emit("text", result, **to)
+        event, data = messages.to_event(session, result_id, messages.from_json(payload))
+        self.socketio.emit(event, data, to=route.socket_id, namespace=NAMESPACE)

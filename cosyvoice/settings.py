@@ -12,8 +12,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
-from .asr import ENGINES, SUPPORTED_RATES, WHISPER_BACKENDS
+from .asr import ENGINES, WHISPER_BACKENDS
 from .logs import is_level
+from .protocol import SUPPORTED_RATES
 
 ENV_PREFIX = "COSYVOICE_"
 

@@ -11,15 +11,15 @@ processes; ``cosyvoice/sweeper.py`` deletes abandoned sessions.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import redis
 
@@ -28,6 +28,18 @@ from . import finals, metrics, sweeper
 from .asr import Model, Stream, capacity_of
 from .asr.admission import Admission, Targets
 from .backoff import Backoff
+from .messages import (
+    Checkpoint,
+    Decoded,
+    DeferredFinal,
+    End,
+    ErrorResult,
+    Published,
+    Result,
+    Scheduled,
+    kind,
+    with_seq,
+)
 from .protocol import parse_stored
 from .settings import Settings
 
@@ -60,8 +72,9 @@ ADMISSION_CEILING = 2
 FINALS_BLOCK_MS = 10
 
 
-def entry_results(session: str, entry_id: str, seq: int, last: bool, results: list[dict],
-                  checkpoint_of: Callable[[], dict]) -> tuple[list[dict], dict | None]:
+def entry_results(session: str, entry_id: str, seq: int, last: bool,
+                  results: Sequence[Decoded], checkpoint_of: Callable[[], dict[str, Any]],
+                  ) -> tuple[list[Decoded | End], Checkpoint | None]:
     """What one decoded audio entry publishes, and the checkpoint stored with it.
 
     Every result carries its chunk's ``seq``. After ``last`` the session's ``end``
@@ -71,19 +84,20 @@ def entry_results(session: str, entry_id: str, seq: int, last: bool, results: li
     Otherwise None: the stored checkpoint stays. Pure: ``checkpoint_of`` reads the
     stream's state only when a checkpoint is due.
     """
-    results = [{**r, "seq": r.get("seq", seq)} for r in results]
+    out: list[Decoded | End] = [with_seq(r, seq) for r in results]
     if last:
-        return results + [{"type": "end", "session": session, "seq": seq}], {"done": True}
-    if any(r["type"] == "final" for r in results):
-        return results, {**checkpoint_of(), "id": entry_id, "seq": seq}
-    return results, None
+        return out + [End(type="end", session=session, seq=seq)], Checkpoint.finished()
+    if any(kind(r) == "final" for r in out):
+        return out, Checkpoint(entry_id, seq, checkpoint_of())
+    return out, None
 
 
-def split_ordered(results: list[dict]) -> tuple[list[dict], list[dict]]:
+def split_ordered(results: list[Result | Scheduled | End],
+                  ) -> tuple[list[Result], list[Result | Scheduled | End]]:
     """An entry's results as (published at once, published in order): partials go out as
     soon as they are decoded; finals and ``end`` keep their order and carry the checkpoint."""
-    now = [r for r in results if r["type"] not in ("final", "end")]
-    return now, [r for r in results if r["type"] in ("final", "end")]
+    now = [r for r in results if not isinstance(r, Scheduled) and r["type"] == "partial"]
+    return now, [r for r in results if kind(r) != "partial"]
 
 
 @dataclass
@@ -274,22 +288,22 @@ class Worker:
         if ann.sid in self.sessions:
             return
         info = self.bus.session_info(ann.sid)
-        checkpoint = json.loads(info["checkpoint"]) if "checkpoint" in info else None
-        if not info or (checkpoint and checkpoint.get("done")):
+        checkpoint = Checkpoint.from_json(info["checkpoint"]) if "checkpoint" in info else None
+        if not info or (checkpoint and checkpoint.done):
             self.bus.ack_announcement(ann.msg_id)
             return
         if not self.bus.take_lease(ann.sid, self.id, self.settings.lease_ttl_ms):
             return  # still owned by a live worker, or its lease has not lapsed yet
         if checkpoint:
-            stream = self.model.stream(checkpoint["rate"], checkpoint)
-            position, next_seq, rate = checkpoint["id"], checkpoint["seq"] + 1, checkpoint["rate"]
+            stream = self.model.stream(checkpoint.rate, checkpoint.state)
+            position, next_seq, rate = checkpoint.id, checkpoint.seq + 1, checkpoint.rate
         else:
             rate = int(info["start_rate"])
             stream = self.model.stream(rate, mode=info.get("mode") or None)
             position, next_seq = "0-0", 0
         self.sessions[ann.sid] = OwnedSession(
             ann.sid, ann.msg_id, stream, position, next_seq, rate,
-            finals.Context(prompt=(checkpoint or {}).get("prompt", "")))
+            finals.Context(prompt=checkpoint.prompt if checkpoint else ""))
         log.info("took session %s at seq %d", ann.sid, next_seq,
                  extra={"session": ann.sid, "event": "claim"})
 
@@ -309,8 +323,9 @@ class Worker:
 
     def _fail(self, s: OwnedSession, msg: str) -> None:
         """End the session with an ``internal`` error to its client."""
-        self.bus.publish_results(s.sid, [{"type": "error", "code": "internal", "msg": msg}],
-                                 self.settings.result_ttl_s, {"done": True}, done=True)
+        error = ErrorResult(type="error", code="internal", msg=msg)
+        self.bus.publish_results(s.sid, [error], self.settings.result_ttl_s,
+                                 Checkpoint.finished(), done=True)
         self._finish(s)
 
     def _decode(self, sid: str, entries: list[tuple[str, bytes]]) -> None:
@@ -327,10 +342,10 @@ class Worker:
             if msg.sample_rate and msg.sample_rate != s.rate:
                 s.rate = msg.sample_rate
                 s.context = finals.Context()  # new audio: Whisper's context starts over
-            results = s.stream.feed(msg.pcm, s.rate)
+            decoded = [*s.stream.feed(msg.pcm, s.rate)]
             if msg.last:
-                results += s.stream.flush()
-            results, checkpoint = entry_results(sid, entry_id, msg.seq, msg.last, results,
+                decoded += s.stream.flush()
+            results, checkpoint = entry_results(sid, entry_id, msg.seq, msg.last, decoded,
                                                 lambda: s.stream.checkpoint)
             s.position, s.next_seq = entry_id, msg.seq + 1
             if not self._publish_entry(s, entry_id, results, checkpoint, msg.last):
@@ -342,29 +357,38 @@ class Worker:
                     self._finish(s)
                 return
 
-    def _publish_entry(self, s: OwnedSession, entry_id: str, results: list[dict],
-                       checkpoint: dict | None, last: bool) -> bool:
-        """Publish an entry's results, or queue its finals for the finals stage (the
-        partials go out at once). False when the session no longer exists."""
-        jobs = [finals.Job(s.context, r, r.pop("audio")) for r in results if "audio" in r]
+    def _publish_entry(self, s: OwnedSession, entry_id: str, results: list[Decoded | End],
+                       checkpoint: Checkpoint | None, last: bool) -> bool:
+        """Publish an entry's results, or queue those still being decoded, with what
+        follows them, for their turn (partials decoded now go out at once). A 2-pass
+        final goes to the finals stage. False when the session no longer exists."""
         # results the decode scheduler has yet to decode: they keep their order with the rest
-        scheduled: list[finals.Deferred] = [r["job"] for r in results if "job" in r]
-        if not jobs and not scheduled and not s.pending:
-            metrics.observe_decode_lag(entry_id, results)
-            return self.bus.publish_results(s.sid, results, self.settings.result_ttl_s,
+        scheduler = any(isinstance(r, Scheduled) for r in results)
+        items: list[Result | Scheduled | End] = []
+        jobs: list[finals.Job] = []
+        for r in results:
+            if isinstance(r, DeferredFinal):
+                jobs.append(finals.Job(s.context, r.audio))
+                items.append(Scheduled(r.result, jobs[-1]))
+            else:
+                items.append(r)
+        if not jobs and not scheduler and not s.pending:
+            published: list[Published] = [r for r in items if not isinstance(r, Scheduled)]
+            metrics.observe_decode_lag(entry_id, published)
+            return self.bus.publish_results(s.sid, published, self.settings.result_ttl_s,
                                             checkpoint, done=last)
         stage = self.finals
         if jobs and stage is None:
             raise RuntimeError("a deferred final needs a model with transcribe()")
-        now, ordered = ([], results) if scheduled else split_ordered(results)
+        now: list[Result]
+        now, ordered = ([], items) if scheduler else split_ordered(items)
         if ordered or checkpoint is not None:
-            s.pending.append(finals.Pending(entry_id, ordered, checkpoint, last,
-                                            [*jobs, *scheduled]))
+            s.pending.append(finals.Pending(entry_id, ordered, checkpoint, last))
         if stage is not None:
             for job in jobs:
                 stage.submit(job)
         metrics.observe_decode_lag(entry_id, now)
-        return self.bus.publish_results(s.sid, now, self.settings.result_ttl_s)
+        return self.bus.publish_results(s.sid, list(now), self.settings.result_ttl_s)
 
     def _publish_finals(self) -> bool:
         """Publish every session's finals that are decoded, in order, each with its

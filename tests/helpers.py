@@ -17,6 +17,7 @@ import pocketsphinx
 from cosyvoice import bus as busmod
 from cosyvoice.asr import load_model
 from cosyvoice.audio import split_chunks
+from cosyvoice.messages import kind
 from cosyvoice.protocol import encode_chunk
 from cosyvoice.settings import Settings
 
@@ -151,7 +152,7 @@ def run_stream(model, pcm, rate=16000, chunk_ms=200, checkpoint=None, start=0):
     for i in range(start, len(pcm), size):
         out = stream.feed(pcm[i:i + size])
         results += out
-        if any(r["type"] == "final" for r in out):
+        if any(kind(r) == "final" for r in out):
             checkpoints[i + size] = stream.checkpoint
     results += stream.flush()
     stream.close()
@@ -159,7 +160,7 @@ def run_stream(model, pcm, rate=16000, chunk_ms=200, checkpoint=None, start=0):
 
 
 def finals(results):
-    return [r for r in results if r["type"] == "final"]
+    return [r for r in results if kind(r) == "final"]
 
 
 # ---- a session written straight into Redis, a worker driven a round at a time ---------

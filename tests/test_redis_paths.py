@@ -8,6 +8,7 @@ import json
 import pytest
 
 from cosyvoice import bus as busmod
+from cosyvoice.messages import Published
 
 pytestmark = [pytest.mark.fast, pytest.mark.inprocess]
 
@@ -81,7 +82,9 @@ def test_replay_reads_every_result_the_stream_keeps(fresh_redis_client):
     sid = "replay-all"
     bus.create_session(sid, 16000)
     for batch in range(15):
-        results = [{"type": "final", "text": f"r{batch * 100 + k}"} for k in range(100)]
+        results: list[Published] = [
+            {"type": "final", "text": f"r{batch * 100 + k}", "utterance": k, "start": 0.0,
+             "end": 1.0} for k in range(100)]
         assert bus.publish_results(sid, results, ttl_s=60)
     stored = bus.results_after(sid)
     assert [json.loads(r)["text"] for _, r in stored] == [f"r{k}" for k in range(1500)]

@@ -5,10 +5,12 @@ and the client's handlers driven from several threads with events out of order."
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import threading
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -21,6 +23,7 @@ from cosyvoice.backoff import Backoff
 from cosyvoice.client import MAX_IN_FLIGHT, SendWindow, StreamingClient
 from cosyvoice.errors import BadChunk, Internal, SeqGap, SessionExpired
 from cosyvoice.gateway import Connection, ack_for, error_ack, session_event, session_limits
+from cosyvoice.messages import Checkpoint, DeferredFinal, Result, to_event
 from cosyvoice.protocol import NAMESPACE
 from cosyvoice.settings import Settings
 from cosyvoice.worker import entry_results
@@ -80,27 +83,49 @@ def test_the_session_event_says_where_to_go_on_and_the_limits():
 # ---- worker -------------------------------------------------------------------------------
 
 
+def _result(kind, text, **more) -> Result:
+    out: Any = {"type": kind, "text": text, "utterance": 0, "start": 0.0, "end": 1.0, **more}
+    return out
+
+
 def test_a_partial_entry_publishes_its_results_and_keeps_the_checkpoint():
     def never():
         raise AssertionError("no checkpoint is due")
-    results, checkpoint = entry_results("s", "5-0", 3, False,
-                                        [{"type": "partial", "text": "a"}], never)
-    assert results == [{"type": "partial", "text": "a", "seq": 3}] and checkpoint is None
+    results, checkpoint = entry_results("s", "5-0", 3, False, [_result("partial", "a")], never)
+    assert results == [_result("partial", "a", seq=3)] and checkpoint is None
 
 
 def test_a_final_entry_checkpoints_the_stream_at_that_entry():
     results, checkpoint = entry_results(
-        "s", "9-1", 4, False, [{"type": "final", "text": "b", "seq": 2}],
+        "s", "9-1", 4, False, [_result("final", "b", seq=2)],
         lambda: {"cmn": "x", "utterance": 1})
-    assert results == [{"type": "final", "text": "b", "seq": 2}]  # an engine's own seq stays
-    assert checkpoint == {"cmn": "x", "utterance": 1, "id": "9-1", "seq": 4}
+    assert results == [_result("final", "b", seq=2)]  # an engine's own seq stays
+    assert checkpoint == Checkpoint("9-1", 4, {"cmn": "x", "utterance": 1})
+    # stored flat: the engine's state with the entry's id and seq beside it
+    assert json.loads(checkpoint.to_json()) == {"cmn": "x", "utterance": 1, "id": "9-1", "seq": 4}
+    assert Checkpoint.from_json(checkpoint.to_json()) == checkpoint
 
 
 def test_the_last_entry_ends_the_session_and_marks_it_done():
-    results, checkpoint = entry_results("s", "9-2", 5, True,
-                                        [{"type": "final", "text": "c"}], lambda: {"x": 1})
+    results, checkpoint = entry_results("s", "9-2", 5, True, [_result("final", "c")],
+                                        lambda: {"x": 1})
     assert results[-1] == {"type": "end", "session": "s", "seq": 5}
-    assert results[0]["seq"] == 5 and checkpoint == {"done": True}
+    assert results[0] == _result("final", "c", seq=5)
+    assert checkpoint == Checkpoint.finished()
+    assert json.loads(checkpoint.to_json()) == {"done": True}
+    assert Checkpoint.from_json(checkpoint.to_json()).done
+
+
+def test_deferred_results_get_their_seq_and_the_relay_emits_each_published_kind():
+    deferred = DeferredFinal(_result("final", ""), b"\0\0")
+    [out], _ = entry_results("s", "9-3", 6, False, [deferred], lambda: {"rate": 16000})
+    assert isinstance(out, DeferredFinal) and out.result["seq"] == 6 and out.audio == b"\0\0"
+    assert to_event("s", "7-0", _result("final", "d", seq=6)) == (
+        "text", {**_result("final", "d", seq=6), "id": "7-0"})
+    assert to_event("s", "7-1", {"type": "end", "session": "s", "seq": 6}) == (
+        "end", {"session": "s", "id": "7-1"})
+    assert to_event("s", "7-2", {"type": "error", "code": "internal", "msg": "m"}) == (
+        "error", {"code": "internal", "msg": "m"})
 
 
 # ---- admission and placement (Lua rules) ---------------------------------------------------

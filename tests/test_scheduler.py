@@ -18,6 +18,7 @@ from cosyvoice.asr import live_engine
 from cosyvoice.asr.scheduler import DecodeJob, DecodeScheduler, StreamState
 from cosyvoice.asr.tiny_whisper import Decoded
 from cosyvoice.finals import Pending
+from cosyvoice.messages import Checkpoint, DeferredFinal, End, Published, Result, Scheduled
 from cosyvoice.settings import Settings
 
 from .helpers import finals, read_pcm, run_stream
@@ -146,15 +147,19 @@ def test_pending_publishes_a_scheduled_result_as_decoded_and_skips_a_dropped_one
     final = job("final", st, "F")
     final.finish(final, Decoded("F"))
     final.done = True
-    results = [{"type": "partial", "seq": 3, "job": kept},
-               {"type": "partial", "seq": 3, "job": gone},
-               {"type": "final", "seq": 3, "job": final}, {"type": "end", "seq": 3}]
-    item = Pending("1-0", results, {"offset": 0, "prompt": "old"}, True, [kept, gone, final])
+    def placeholder(kind) -> Result:
+        return {"type": kind, "text": "", "utterance": 0, "start": 0.0, "end": 1.0, "seq": 3}
+    end: End = {"type": "end", "session": "s", "seq": 3}
+    results: list[Result | Scheduled | End] = [
+        Scheduled(placeholder("partial"), kept), Scheduled(placeholder("partial"), gone),
+        Scheduled(placeholder("final"), final), end]
+    item = Pending("1-0", results, Checkpoint("1-0", 3, {"offset": 0, "prompt": "old"}), True)
+    assert item.jobs == [kept, gone, final]
     assert item.ready() and not item.failed()
     out = item.publishable()
     assert [r["type"] for r in out] == ["partial", "final", "end"]
-    assert out[0]["text"] == "hello" and out[0]["seq"] == 3 and "job" not in out[0]
-    assert item.final_checkpoint() == {"offset": 0, "prompt": "F"}
+    assert out[0]["text"] == "hello" and out[0]["seq"] == 3  # type: ignore[typeddict-item]
+    assert item.final_checkpoint() == Checkpoint("1-0", 3, {"offset": 0, "prompt": "F"})
 
 
 # ---- real speech ----------------------------------------------------------------------
@@ -181,7 +186,7 @@ def test_a_batch_of_partials_decodes_each_clip_as_it_would_alone(decoder):
     assert len(steps) == len(names)  # a final may be decoded after each clip's encoder pass
 
 
-def scheduled_run(model, pcms: list[bytes], chunk: int = 6400) -> list[list[dict]]:
+def scheduled_run(model, pcms: list[bytes], chunk: int = 6400) -> list[list[Published]]:
     """Stream several sessions at once, chunk by chunk in turn, through ``model``'s
     scheduler; each session's published results, as the worker would publish them."""
     streams = [model.stream(16000) for _ in pcms]
@@ -196,8 +201,8 @@ def scheduled_run(model, pcms: list[bytes], chunk: int = 6400) -> list[list[dict
                 out = stream.feed(pcm[pos:pos + chunk])
             else:
                 out, flushed[i] = stream.flush(), True
-            jobs = [r["job"] for r in out if "job" in r]
-            items[i].append(Pending(str(pos), out, None, False, jobs))
+            items[i].append(Pending(str(pos), [r for r in out if not isinstance(r, DeferredFinal)],
+                                    None, False))
     all_jobs = [j for per in items for item in per for j in item.jobs]
     wait_done(all_jobs, 120.0)
     return [[r for item in per for r in item.publishable()] for per in items]

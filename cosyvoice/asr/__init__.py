@@ -2,31 +2,36 @@
 
 A ``Model`` is loaded once per worker process (before it forks, so model pages are
 shared); ``model.stream(sample_rate, checkpoint)`` opens a per-session ``Stream`` whose
-``feed(pcm, sample_rate)`` and ``flush()`` return result dicts::
-
-    {"type": "partial" | "final", "text", "utterance", "start", "end", "words"?}
+``feed(pcm, sample_rate)`` and ``flush()`` return ``cosyvoice.messages.Decoded`` items: a
+partial or final ``Result``, or one whose decoding another stage finishes (a
+``DeferredFinal`` for the worker's finals stage, a ``Scheduled`` decode of whisper-live's
+scheduler).
 
 Engines never touch Redis or sockets: the worker publishes what they return.
 
 ``Stream.checkpoint`` is the stream's state at its last reset point (after each final):
 ``model.stream(rate, checkpoint)`` rebuilds a stream that continues exactly as the
-original would from the next chunk on.
+original would from the next chunk on. The worker stores it as a
+``cosyvoice.messages.Checkpoint``'s ``state``.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from ..messages import Decoded
 
 
 class Stream(Protocol):
     @property
     def checkpoint(self) -> dict: ...
 
-    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]: ...
+    def feed(self, pcm: bytes, sample_rate: int | None = None) -> Sequence[Decoded]: ...
 
-    def flush(self) -> list[dict]: ...
+    def flush(self) -> Sequence[Decoded]: ...
 
     def close(self) -> None: ...
 
@@ -42,8 +47,6 @@ class Model(Protocol):
     # Optional: ``after_fork()`` runs in each worker process before it starts decoding.
 
 
-# Sample rates a session may stream at: every engine's front end resamples them exactly.
-SUPPORTED_RATES = (8000, 16000, 48000)
 # Backends of Whisper base finals (COSYVOICE_WHISPER_BACKEND).
 WHISPER_BACKENDS = ("torch", "ctranslate2")
 

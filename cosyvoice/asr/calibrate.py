@@ -23,6 +23,7 @@ import time
 import wave
 from dataclasses import dataclass
 
+from ..messages import Decoded, DeferredFinal
 from . import ENGINES, load_model
 
 CHUNK_S = 0.2
@@ -69,14 +70,14 @@ def session_cost(model, pcm: bytes, passes: int = PASSES) -> float:
         clock.now = 0.0
         stream = model.stream(16000)
         start = time.process_time()
-        results: list[dict] = []
+        results: list[Decoded] = []
         for i in range(0, len(pcm), size):
             clock.now += CHUNK_S
             results += stream.feed(pcm[i:i + size])
         results += stream.flush()
         for r in results:
-            if "audio" in r:
-                model.transcribe(r["audio"])
+            if isinstance(r, DeferredFinal):
+                model.transcribe(r.audio)
         cpu += time.process_time() - start
         stream.close()
     return cpu / (passes * len(pcm) / 32000)

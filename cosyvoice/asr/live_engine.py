@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
+from .. import messages
 from ..finals import next_prompt
 from .endpointer import Endpointer, SileroVad, silero_session
 from .resample import ModelRateInput
@@ -133,9 +134,9 @@ class LiveModel:
     def first_pass(self, sample_rate: int, checkpoint: dict | None = None,
                    partials: bool = True) -> "LiveStream":
         """A stream for the 2-pass engine: its partials (unless ``partials`` is False) and
-        its endpoints, but no final decoded here. A final comes back with its
-        utterance's ``audio`` and no text, for the worker's finals stage, which owns the
-        session's prompt (partials are decoded without one)."""
+        its endpoints, but no final decoded here. A final comes back as a
+        ``DeferredFinal`` with its utterance's audio, for the worker's finals stage, which
+        owns the session's prompt (partials are decoded without one)."""
         cp = {**(checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate}),
               "prompt": ""}
         return LiveStream(self, cp, defer_finals=True, partials=partials)
@@ -250,7 +251,7 @@ class LiveStream:
 
     # ---- input ------------------------------------------------------------------------
 
-    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
+    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[messages.Decoded]:
         data = self._input.convert(pcm, sample_rate)
         self._rate = self._input.rate
         self._offset += len(data) // 2
@@ -301,7 +302,7 @@ class LiveStream:
 
     # ---- output -----------------------------------------------------------------------
 
-    def _partial(self) -> list[dict]:
+    def _partial(self) -> list[messages.Decoded]:
         if not self._partials:
             return []
         n = len(self._utt_pcm) // 2
@@ -315,22 +316,23 @@ class LiveStream:
         return self._ask(DecodeJob("partial", self._state, bytes(self._utt_pcm), result,
                                    _finish_partial))
 
-    def _ask(self, job: DecodeJob) -> list[dict]:
+    def _ask(self, job: DecodeJob) -> list[messages.Decoded]:
         """Hand a decode to the runner: its result when decoded here and now; otherwise
         the result to be, with its ``job`` (the worker publishes it once done)."""
         self._model.runner.submit(job)
-        if not job.done:
-            return [{**job.result, "job": job}]  # the worker reads ``job`` once it is done
-        return [] if job.dropped else [job.result]
+        result = cast(messages.Result, dict(job.result))
+        if not job.done:  # the worker publishes it once the job is done
+            return [messages.Scheduled(result, job)]
+        return [] if job.dropped else [result]
 
-    def _finish_and_reset(self, end_sample: int) -> list[dict]:
+    def _finish_and_reset(self, end_sample: int) -> list[messages.Decoded]:
         out = self._finish(end_sample)
         # The rest of the chunk is not run through this endpointer, but the next
         # utterance's pre-roll may reach back into it (its onset may be there).
         self._reset_front_end(bytes(self._history + self._buf))
         return out
 
-    def _finish(self, end_sample: int) -> list[dict]:
+    def _finish(self, end_sample: int) -> list[messages.Decoded]:
         """Decode the utterance in progress; its final, if it said anything."""
         self._in_utt = False
         result = {"type": "final", "text": "", "utterance": 0,
@@ -339,13 +341,13 @@ class LiveStream:
         if self._defer_finals:  # every utterance is one, whatever its final says
             st = self._state
             st.hyp, st.last_partial = [], ""
-            result.update(utterance=st.utterance, audio=bytes(self._utt_pcm))
+            result.update(utterance=st.utterance)
             st.utterance += 1
-            return [result]
+            return [messages.DeferredFinal(cast(messages.Result, result), bytes(self._utt_pcm))]
         return self._ask(DecodeJob("final", self._state, bytes(self._utt_pcm), result,
                                    _finish_final))
 
-    def flush(self) -> list[dict]:
+    def flush(self) -> list[messages.Decoded]:
         """End of stream: decode what is buffered and return the last final."""
         tail = self._input.flush()
         self._offset += len(tail) // 2

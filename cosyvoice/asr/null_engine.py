@@ -6,6 +6,7 @@ so latency through gateway, Redis and worker can be measured without decoding co
 
 from __future__ import annotations
 
+from ..messages import Result
 from ..protocol import SAMPLE_WIDTH
 
 
@@ -16,14 +17,14 @@ class NullStream:
         self._rate = cp["rate"]
         self._seconds = cp["seconds"]
 
-    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
+    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[Result]:
         self._rate = sample_rate or self._rate
         start = self._seconds
         self._seconds += len(pcm) / (SAMPLE_WIDTH * self._rate)
         return [{"type": "partial", "text": "", "utterance": self.checkpoint["utterance"],
                  "start": round(start, 3), "end": round(self._seconds, 3)}]
 
-    def flush(self) -> list[dict]:
+    def flush(self) -> list[Result]:
         return [{"type": "final", "text": "", "utterance": self.checkpoint["utterance"],
                  "start": 0.0, "end": round(self._seconds, 3), "words": []}]
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
 
 import pocketsphinx
 
+from ..messages import Result, Word
 from .endpointer import Endpointer
 from .resample import ModelRateInput
 
@@ -128,7 +128,7 @@ class PocketSphinxStream:
 
     # ---- input ------------------------------------------------------------------------
 
-    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
+    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[Result]:
         # a rate switch drains the old resampler and keeps the decoder state
         data = self._input.convert(pcm, sample_rate)
         self._rate = self._input.rate
@@ -150,7 +150,7 @@ class PocketSphinxStream:
             return final
         return self._partial()
 
-    def _consume_frames(self, speech: bytearray) -> list[dict] | None:
+    def _consume_frames(self, speech: bytearray) -> list[Result] | None:
         """Run whole frames through the endpointer; a list (maybe empty) at an endpoint."""
         fb = self._ep.frame_bytes
         while len(self._buf) >= fb:
@@ -165,7 +165,7 @@ class PocketSphinxStream:
                 return final
         return None
 
-    def _frame(self, frame: bytes, speech: bytearray) -> list[dict] | None:
+    def _frame(self, frame: bytes, speech: bytearray) -> list[Result] | None:
         was_in_speech = self._ep.in_speech
         out = self._ep.process(frame)
         if out is None:
@@ -207,7 +207,7 @@ class PocketSphinxStream:
 
     # ---- output -----------------------------------------------------------------------
 
-    def _partial(self) -> list[dict]:
+    def _partial(self) -> list[Result]:
         hyp = self._dec.hyp()
         text = hyp.hypstr if hyp is not None else ""
         if not text or text == self._last_partial:
@@ -217,12 +217,12 @@ class PocketSphinxStream:
                  "start": self._seconds(self._utt_start),
                  "end": self._seconds(self._offset)}]
 
-    def _finish(self, end_sample: int) -> list[dict]:
+    def _finish(self, end_sample: int) -> list[Result]:
         """End the utterance in progress and return its final (if it has anything)."""
         self._dec.end_utt()
         self._in_utt = False
         self._cmn = self._dec.get_cmn()
-        words: list[dict[str, Any]] = []
+        words: list[Word] = []
         frame = MODEL_RATE // FRAMES_PER_S  # samples per frame
         # seg() is None when the decoder found no path (an utterance ended almost at once)
         for seg in self._dec.seg() or ():
@@ -240,7 +240,7 @@ class PocketSphinxStream:
         if self.keep_audio:
             self._finished_audio[self._utt] = bytes(self._utt_pcm)
         self._utt_pcm = bytearray()
-        final = {"type": "final", "text": " ".join(w["word"] for w in words),
+        final: Result = {"type": "final", "text": " ".join(w["word"] for w in words),
                  "utterance": self._utt, "start": self._seconds(self._utt_start),
                  "end": self._seconds(end_sample), "words": words}
         self._utt += 1
@@ -250,7 +250,7 @@ class PocketSphinxStream:
         """The model-rate audio decoded for a finished utterance (``keep_audio``)."""
         return self._finished_audio.pop(utterance, b"")
 
-    def flush(self) -> list[dict]:
+    def flush(self) -> list[Result]:
         """End of stream: decode what is buffered and return the last final."""
         tail = self._input.flush()
         self._offset += len(tail) // 2

@@ -24,9 +24,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 
+from ..messages import Decoded, DeferredFinal
 from . import ENGINES, WHISPER_BACKENDS
 from .pocketsphinx_engine import MODEL_RATE, PocketSphinxModel, PocketSphinxStream
 
@@ -352,13 +354,13 @@ class FirstPassStream:
     def checkpoint(self) -> dict:
         return {**self._first.checkpoint, "mode": self.mode}
 
-    def _second_pass(self, results: list[dict]) -> list[dict]:
+    def _second_pass(self, results: Sequence[Decoded]) -> list[Decoded]:
         raise NotImplementedError
 
-    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[dict]:
+    def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[Decoded]:
         return self._second_pass(self._first.feed(pcm, sample_rate))
 
-    def flush(self) -> list[dict]:
+    def flush(self) -> list[Decoded]:
         return self._second_pass(self._first.flush())
 
     def close(self) -> None:
@@ -372,30 +374,27 @@ class TwoPassStream(FirstPassStream):
         super().__init__(ps, mode)
         self._ps = ps
 
-    def _second_pass(self, results: list[dict]) -> list[dict]:
-        if self.mode == "pocketsphinx":
-            for r in results:
-                if r["type"] == "final":
-                    r["engine"] = "pocketsphinx"
-            return results
-        out = []
+    def _second_pass(self, results: Sequence[Decoded]) -> list[Decoded]:
+        out: list[Decoded] = []
         for r in results:
-            if r["type"] == "partial":
+            assert isinstance(r, dict), "PocketSphinx decodes every result itself"
+            if self.mode == "pocketsphinx":
+                out.append({**r, "engine": "pocketsphinx"} if r["type"] == "final" else r)
+            elif r["type"] == "partial":
                 if self.mode == "2pass":
                     out.append(r)
-                continue
-            if r["type"] == "final":
+            else:
                 # decoded by the worker's finals stage (cosyvoice/finals.py), which
-                # fills in the text with model.transcribe(audio, prompt)
-                r = {**r, "text": "", "words": [], "engine": "whisper",
-                     "audio": self._ps.take_utterance_audio(r["utterance"])}
-            out.append(r)
+                # gives the text of model.transcribe(audio, prompt)
+                out.append(DeferredFinal({**r, "text": "", "words": [], "engine": "whisper"},
+                                         self._ps.take_utterance_audio(r["utterance"])))
         return out
 
 
 class LiveFirstPass(FirstPassStream):
-    """whisper-live's first pass (``LiveModel.first_pass``): its finals already carry their
-    utterance's audio and no text, for the finals stage, as TwoPassStream's do."""
+    """whisper-live's first pass (``LiveModel.first_pass``): its finals are already
+    ``DeferredFinal``s for the finals stage, as TwoPassStream makes PocketSphinx's."""
 
-    def _second_pass(self, results: list[dict]) -> list[dict]:
-        return [{**r, "engine": "whisper"} if r["type"] == "final" else r for r in results]
+    def _second_pass(self, results: Sequence[Decoded]) -> list[Decoded]:
+        return [dataclasses.replace(r, result={**r.result, "engine": "whisper"})
+                if isinstance(r, DeferredFinal) else r for r in results]
