@@ -47,6 +47,7 @@ from benchmarks.capacity import GAP, Client, _dist  # noqa: E402
 from benchmarks.stack import POCKETSPHINX, ROOT, Stack  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
 from cosyvoice import bus as busmod  # noqa: E402
+from cosyvoice import keys  # noqa: E402
 from tests import launcher  # noqa: E402
 
 
@@ -63,8 +64,8 @@ class PlacementSampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(self.interval):
-            sids = [f[b"sid"].decode() for _id, f in self.client.xrange(busmod.SESSIONS)]
-            owners = [o for o in self.client.mget([busmod.lease_key(s) for s in sids]) if o] \
+            sids = [f[b"sid"].decode() for _id, f in self.client.xrange(keys.SESSIONS)]
+            owners = [o for o in self.client.mget([keys.lease_key(s) for s in sids]) if o] \
                 if sids else []
             counts = Counter(owners)
             per_process = sorted(counts.values()) + [0] * (self.processes - len(counts))

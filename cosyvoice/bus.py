@@ -15,7 +15,7 @@ import redis
 from redis.typing import EncodableT, KeyT, StreamIdT
 
 from . import messages, scripts
-from .keys import (  # noqa: F401 - the key names, also as bus.<name> for callers
+from .keys import (
     CONTROL_KEYS,
     SESSIONS,
     SESSIONS_MAXLEN,

@@ -18,7 +18,7 @@ from gevent.lock import Semaphore
 from gevent.queue import Queue
 
 from . import bus as busmod
-from . import messages, metrics
+from . import keys, messages, metrics
 from .backoff import Backoff
 from .protocol import NAMESPACE, Chunk
 
@@ -115,7 +115,7 @@ class ResultRelay:
         last = None if after in (None, "-") else after
         self.routes[session] = Route(socket_id, last, replaying=after is not None)
         with self._lock:
-            self.pubsub.subscribe(busmod.text_key(session))
+            self.pubsub.subscribe(keys.text_key(session))
 
     def replay(self, session: str) -> None:
         route = self.routes.get(session)
@@ -128,7 +128,7 @@ class ResultRelay:
             return
         del self.routes[session]
         with self._lock:
-            self.pubsub.unsubscribe(busmod.text_key(session))
+            self.pubsub.unsubscribe(keys.text_key(session))
 
     def _replay(self, session: str, route: Route) -> None:
         route.replaying = True
@@ -172,7 +172,7 @@ class ResultRelay:
                     log.exception("could not deliver a result")
 
     def _deliver(self, channel: str, data: str) -> None:
-        session = busmod.sid_from_channel(channel)
+        session = keys.sid_from_channel(channel)
         route = self.routes.get(session)
         if route is None:
             return

@@ -15,6 +15,7 @@ import jiwer
 import pocketsphinx
 
 from cosyvoice import bus as busmod
+from cosyvoice import keys
 from cosyvoice.asr import load_model
 from cosyvoice.audio import split_chunks
 from cosyvoice.messages import kind
@@ -183,7 +184,7 @@ def write_session(bus: busmod.Bus, sid: str, pcm: bytes, upto: int | None = None
 
 
 def results(client, sid) -> list[dict]:
-    return [json.loads(f[b"r"]) for _id, f in client.xrange(busmod.text_key(sid))]
+    return [json.loads(f[b"r"]) for _id, f in client.xrange(keys.text_key(sid))]
 
 
 def rounds_until(worker: Worker, done: Callable[[], object], timeout: float) -> None:

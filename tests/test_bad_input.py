@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cosyvoice import bus as busmod
-from cosyvoice import tokens
+from cosyvoice import keys, tokens
 from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.errors import ERROR_CODES, CosyvoiceError
 from cosyvoice.limits import TokenBucket, parse_auth
@@ -132,7 +132,7 @@ def test_overloaded_when_no_capacity(module_redis, module_redis_client):
 def test_sessions_per_client_address_are_limited(module_redis, module_redis_client):
     app = make_app(module_redis, module_redis_client, max_sessions_per_client=2)
     # sessions of earlier tests in this module
-    module_redis_client.delete(busmod.client_key("127.0.0.1"))
+    module_redis_client.delete(keys.client_key("127.0.0.1"))
     first, second = connect(app), connect(app)
     assert first.is_connected(NAMESPACE) and second.is_connected(NAMESPACE)
     third = connect(app)
@@ -157,7 +157,7 @@ def test_rate_limit_refuses_chunks_beyond_the_budget_and_keeps_the_rest(module_r
     assert acks == [{"seq": s} for s in range(5)]
     refused = send(c, encode_chunk(CHUNK, 5))
     assert refused == {"error": "rate_limited", "seq": 5}
-    assert module_redis_client.xlen(busmod.audio_key(sid)) == 5, "nothing accepted was lost"
+    assert module_redis_client.xlen(keys.audio_key(sid)) == 5, "nothing accepted was lost"
     time.sleep(0.25)  # the bucket refills at real time
     assert send(c, encode_chunk(CHUNK, 5)) == {"seq": 5}
     c.disconnect(NAMESPACE)

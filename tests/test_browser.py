@@ -23,8 +23,7 @@ import pytest
 import redis
 from playwright.sync_api import ConsoleMessage, Page, ViewportSize, expect, sync_playwright
 
-from cosyvoice import bus as busmod
-from cosyvoice import tokens
+from cosyvoice import keys, tokens
 from cosyvoice.client import StreamingClient
 from cosyvoice.embedded_redis import free_port
 
@@ -250,7 +249,7 @@ def test_server_gone_mid_recording_is_reported_after_the_reconnection_attempts(
         expect(page.locator("#connection")).to_have_text("Server unreachable")
         expect(page.locator("#record")).to_have_text("Start")
     observed.assert_stayed_local()
-    redis_client.delete(*busmod.session_keys(session))  # the crashed gateway's leftovers
+    redis_client.delete(*keys.session_keys(session))  # the crashed gateway's leftovers
 
 
 def test_gateway_crash_mid_recording_loses_no_text_and_says_what_happened(
@@ -285,7 +284,7 @@ def test_gateway_crash_mid_recording_loses_no_text_and_says_what_happened(
     print(f"after the crash ({'resumed' if resumed else 'new session'}): {text!r}")
     assert wer(reference, text) <= phase_bound(reference, pcm), text
     observed.assert_stayed_local()
-    redis_client.delete(*busmod.session_keys(first_session))  # left over unless resumed
+    redis_client.delete(*keys.session_keys(first_session))  # left over unless resumed
 
 
 def test_service_requiring_a_token_refuses_the_page_without_one_and_takes_it_from_the_address(

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from cosyvoice import bus as busmod
-from cosyvoice import sweeper
+from cosyvoice import keys, sweeper
 from cosyvoice.client import StreamingClient
 from cosyvoice.protocol import encode_chunk
 
@@ -72,7 +72,7 @@ def test_a_thousand_sessions_come_and_go_without_a_trace(churn_service):
         t.join()
     assert errors == []
     wait_for(lambda: not session_keys_in(rds), timeout=30, interval=0.5)
-    wait_for(lambda: rds.xlen(busmod.SESSIONS) == 0, timeout=10)
+    wait_for(lambda: rds.xlen(keys.SESSIONS) == 0, timeout=10)
     after = dataset_bytes(rds)
     assert after - before < 64 * 1024, (before, after)
     rds.close()
@@ -92,7 +92,7 @@ def test_the_sweeper_deletes_sessions_nobody_will_end(redis_client):
     time.sleep(0.6)
     bus.append_chunks([(fresh, 0, silence, 16000, False)])
     assert sweeper.sweep(bus, "sweeper-test", idle_s=0.5, force=True) == 1
-    assert not any(redis_client.exists(k) for k in busmod.session_keys(abandoned))
-    assert redis_client.exists(busmod.audio_key(fresh))
+    assert not any(redis_client.exists(k) for k in keys.session_keys(abandoned))
+    assert redis_client.exists(keys.audio_key(fresh))
     assert abandoned not in [a.sid for a in bus.announcements()]
     bus.delete_session(fresh)

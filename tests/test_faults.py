@@ -17,6 +17,7 @@ import requests
 import socketio
 
 from cosyvoice import bus as busmod
+from cosyvoice import keys
 from cosyvoice.client import StreamingClient
 
 from . import launcher
@@ -106,7 +107,7 @@ def test_results_published_while_disconnected_are_replayed(fault_service, redis_
     sid = client.result.session
     client.close()
     rds = redis_client_for(fault_service)
-    wait_for(lambda: any(b'"end"' in f[b"r"] for _i, f in rds.xrange(busmod.text_key(sid))))
+    wait_for(lambda: any(b'"end"' in f[b"r"] for _i, f in rds.xrange(keys.text_key(sid))))
     again = StreamingClient(fault_service.url, reconnect=False)
     again.result.session = sid  # resume as a reconnecting client would, with no result
     again.connect()
@@ -159,7 +160,7 @@ def test_killed_worker_mid_utterance_is_invisible_to_the_client(fault_service, r
     killed = []
 
     def kill_owner():
-        owners = [k for k in [rds.get(busmod.lease_key(s)) for s in _open_sessions(rds)] if k]
+        owners = [k for k in [rds.get(keys.lease_key(s)) for s in _open_sessions(rds)] if k]
         for owner in owners:
             pid = int(owner.decode().split("-")[-2])
             os.kill(pid, signal.SIGKILL)
@@ -174,7 +175,7 @@ def test_killed_worker_mid_utterance_is_invisible_to_the_client(fault_service, r
 
 
 def _open_sessions(rds) -> list[str]:
-    return [f[b"sid"].decode() for _id, f in rds.xrange(busmod.SESSIONS)]
+    return [f[b"sid"].decode() for _id, f in rds.xrange(keys.SESSIONS)]
 
 
 def test_redis_outage_loses_nothing_and_service_resumes(fault_service, fault_redis, reference):

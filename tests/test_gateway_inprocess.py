@@ -10,6 +10,7 @@ import gevent
 import pytest
 
 from cosyvoice import bus as busmod
+from cosyvoice import keys
 from cosyvoice.protocol import NAMESPACE, encode_chunk, parse_stored
 from cosyvoice.settings import Settings
 from cosyvoice.webui import create_app
@@ -59,14 +60,14 @@ def test_connect_sends_session_event(client, module_redis_client):
     assert info["resumed"] is False and info["next_seq"] == 0
     assert info["sample_rate"] == 16000 and info["chunk_ms"] == 200
     assert len(info["session"]) >= 16
-    assert module_redis_client.hget(busmod.session_key(info["session"]), "status") == b"active"
+    assert module_redis_client.hget(keys.session_key(info["session"]), "status") == b"active"
 
 
 def test_valid_chunks_are_acked_and_appended_in_order(client, module_redis_client):
     sid = session_of(client)["session"]
     for seq in range(5):
         assert send(client, encode_chunk(CHUNK, seq)) == {"seq": seq}
-    entries = module_redis_client.xrange(busmod.audio_key(sid))
+    entries = module_redis_client.xrange(keys.audio_key(sid))
     assert len(entries) == 5
     assert [parse_stored(f[b"pb"]).seq for _id, f in entries] == list(range(5))
 
@@ -87,7 +88,7 @@ def test_bad_chunks_get_their_error_code(client, module_redis_client, payload, c
     ack = send(client, payload)
     assert ack["error"] == code
     assert [e["code"] for e in errors(client)] == [code]
-    assert module_redis_client.xlen(busmod.audio_key(sid)) == 0
+    assert module_redis_client.xlen(keys.audio_key(sid)) == 0
     # the connection stays usable and nothing is lost
     assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
 
@@ -110,7 +111,7 @@ def test_an_unexpected_failure_in_the_chunk_handler_is_an_internal_error(
     monkeypatch.undo()
     # what was accepted stays, and the connection goes on
     assert send(client, encode_chunk(CHUNK, 1)) == {"seq": 1}
-    assert module_redis_client.xlen(busmod.audio_key(sid)) == 2
+    assert module_redis_client.xlen(keys.audio_key(sid)) == 2
 
 
 def test_a_store_that_raises_fails_its_chunks_and_the_writer_goes_on(
@@ -128,7 +129,7 @@ def test_a_store_that_raises_fails_its_chunks_and_the_writer_goes_on(
     assert [e["code"] for e in errors(client)] == ["internal"]
     monkeypatch.undo()
     assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
-    assert module_redis_client.xlen(busmod.audio_key(sid)) == 1
+    assert module_redis_client.xlen(keys.audio_key(sid)) == 1
 
 
 def test_seq_gap_names_the_expected_seq(client, module_redis_client):
@@ -139,7 +140,7 @@ def test_seq_gap_names_the_expected_seq(client, module_redis_client):
     (err,) = errors(client)
     assert err["code"] == "seq_gap" and err["expected"] == 1 and err["seq"] == 3
     assert send(client, encode_chunk(CHUNK, 1)) == {"seq": 1}
-    assert module_redis_client.xlen(busmod.audio_key(sid)) == 2
+    assert module_redis_client.xlen(keys.audio_key(sid)) == 2
 
 
 def test_duplicate_is_acked_again_and_not_re_added(client, module_redis_client):
@@ -147,7 +148,7 @@ def test_duplicate_is_acked_again_and_not_re_added(client, module_redis_client):
     assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
     assert send(client, encode_chunk(CHUNK, 1)) == {"seq": 1}
     assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0, "duplicate": True}
-    assert module_redis_client.xlen(busmod.audio_key(sid)) == 2
+    assert module_redis_client.xlen(keys.audio_key(sid)) == 2
     assert errors(client) == []
 
 
@@ -156,7 +157,7 @@ def test_chunk_after_last_is_rejected(client, module_redis_client):
     assert send(client, encode_chunk(CHUNK, 0, last=True)) == {"seq": 0}
     ack = send(client, encode_chunk(CHUNK, 1))
     assert ack["error"] == "bad_chunk"
-    assert module_redis_client.xlen(busmod.audio_key(sid)) == 1
+    assert module_redis_client.xlen(keys.audio_key(sid)) == 1
     # a resend of the last chunk is still a harmless duplicate
     assert send(client, encode_chunk(CHUNK, 0, last=True))["duplicate"] is True
 
@@ -172,7 +173,7 @@ def test_sample_rate_switch_changes_the_size_limit(client, module_redis_client):
     assert send(client, encode_chunk(big, 0))["error"] == "too_large"
     assert send(client, encode_chunk(big, 0, sample_rate=48000)) == {"seq": 0}
     assert send(client, encode_chunk(big, 1)) == {"seq": 1}  # 0 = the current rate
-    assert module_redis_client.hget(busmod.session_key(sid), "rate") == b"48000"
+    assert module_redis_client.hget(keys.session_key(sid), "rate") == b"48000"
 
 
 def test_stop_deletes_the_session(client, module_redis_client):
@@ -180,13 +181,13 @@ def test_stop_deletes_the_session(client, module_redis_client):
     assert send(client, encode_chunk(CHUNK, 0)) == {"seq": 0}
     ack = client.emit("stop", namespace=NAMESPACE, callback=True)
     assert ack == {"stopped": True, "session": sid}
-    assert not any(module_redis_client.exists(k) for k in busmod.session_keys(sid))
+    assert not any(module_redis_client.exists(k) for k in keys.session_keys(sid))
     assert send(client, encode_chunk(CHUNK, 1))["error"] == "session_expired"
 
 
 def test_sessions_are_announced_for_workers(client, module_redis_client):
     sid = session_of(client)["session"]
-    announced = [f[b"sid"].decode() for _id, f in module_redis_client.xrange(busmod.SESSIONS)]
+    announced = [f[b"sid"].decode() for _id, f in module_redis_client.xrange(keys.SESSIONS)]
     assert sid in announced
 
 
@@ -198,6 +199,6 @@ def test_handlers_running_concurrently_keep_seq_order(app, module_redis_client):
     greenlets = [gevent.spawn(send, c, encode_chunk(CHUNK, s)) for s in range(40)]
     gevent.joinall(greenlets, timeout=10)
     assert [g.value for g in greenlets] == [{"seq": s} for s in range(40)]
-    entries = module_redis_client.xrange(busmod.audio_key(sid))
+    entries = module_redis_client.xrange(keys.audio_key(sid))
     assert [parse_stored(f[b"pb"]).seq for _id, f in entries] == list(range(40))
     c.disconnect(NAMESPACE)

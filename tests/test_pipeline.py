@@ -12,7 +12,7 @@ from itertools import pairwise
 
 import pytest
 
-from cosyvoice import bus as busmod
+from cosyvoice import keys
 from cosyvoice.audio import split_chunks
 from cosyvoice.client import StreamingClient, transcribe_pcm
 from cosyvoice.protocol import encode_chunk
@@ -122,7 +122,7 @@ def test_two_sessions_at_once_do_not_mix(speech_service):
 
 
 def _session_keys(redis_client, sid):
-    return [k for k in busmod.session_keys(sid) if redis_client.exists(k)]
+    return [k for k in keys.session_keys(sid) if redis_client.exists(k)]
 
 
 def test_stop_deletes_every_key_at_once(service, redis_client):
@@ -147,11 +147,11 @@ def test_disconnect_leaves_keys_for_the_grace_period_then_they_expire(service, r
     # 1.6 s of speech: a first partial (whisper-live re-decodes after 1 s of utterance)
     for seq, chunk in enumerate(chunks[:8]):
         assert client.send(chunk, seq, wait_ack=True) == {"seq": seq}
-    wait_for(lambda: redis_client.exists(busmod.text_key(sid)))
+    wait_for(lambda: redis_client.exists(keys.text_key(sid)))
     client.close()
     time.sleep(0.3)
-    assert redis_client.exists(busmod.session_key(sid))
-    ttl = redis_client.pttl(busmod.audio_key(sid))
+    assert redis_client.exists(keys.session_key(sid))
+    ttl = redis_client.pttl(keys.audio_key(sid))
     assert 0 < ttl <= TEST_GRACE_S * 1000
     wait_for(lambda: _session_keys(redis_client, sid) == [], timeout=TEST_GRACE_S + 8)
 
@@ -163,10 +163,10 @@ def test_acks_come_after_the_chunk_is_in_redis(service, redis_client):
         sid = client.result.session
         pcm = read_pcm("weather")[:6400]
         assert client.send(pcm, 0, wait_ack=True) == {"seq": 0}
-        entries = redis_client.xrange(busmod.audio_key(sid))
+        entries = redis_client.xrange(keys.audio_key(sid))
         assert len(entries) == 1
         assert client.send(pcm, 0, wait_ack=True) == {"seq": 0, "duplicate": True}
-        assert redis_client.xlen(busmod.audio_key(sid)) == 1
+        assert redis_client.xlen(keys.audio_key(sid)) == 1
     finally:
         client.stop()
         client.close()
@@ -264,7 +264,7 @@ def test_the_running_gateway_stores_large_frames_exactly(service, redis_client):
         assert len(payload) > 65535
         ack = client.sio.call("audio_chunk", payload, namespace="/ws", timeout=10)
         assert ack == {"seq": 0}
-        [(_id, fields)] = redis_client.xrange(busmod.audio_key(client.result.session))
+        [(_id, fields)] = redis_client.xrange(keys.audio_key(client.result.session))
         assert fields[b"pb"] == payload
     finally:
         client.stop()

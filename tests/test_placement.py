@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from cosyvoice import bus as busmod
+from cosyvoice import keys
 from cosyvoice.protocol import encode_chunk
 
 from . import launcher
@@ -67,7 +68,7 @@ def placement(client: redis.Redis, sessions: list[str]) -> Counter | None:
     """Sessions per live worker process, once every session has a live owner; None
     before that. Leases and the workers' loads (pending announcements) must agree."""
     live = {w["id"]: w["load"] for w in busmod.Bus(client).live_workers()}
-    leases = [client.get(busmod.lease_key(sid)) for sid in sessions]
+    leases = [client.get(keys.lease_key(sid)) for sid in sessions]
     owners = [busmod.text(o) if o is not None else None for o in leases]
     if any(o is None or o not in live for o in owners):
         return None
@@ -115,7 +116,7 @@ def test_sessions_spread_evenly_over_worker_processes(fresh_redis, fresh_redis_c
         # three sessions of the busiest process end; three new ones go where there is room
         busiest = counts.most_common(1)[0][0]
         ending = [sid for sid in sessions
-                  if client.get(busmod.lease_key(sid)).decode() == busiest][:3]
+                  if client.get(keys.lease_key(sid)).decode() == busiest][:3]
         for sid in ending:
             bus.delete_session(sid)  # what the gateway does on `stop`
         sessions = [sid for sid in sessions if sid not in ending]

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from cosyvoice import bus as busmod
+from cosyvoice import keys
 from cosyvoice.messages import Published
 
 pytestmark = [pytest.mark.fast, pytest.mark.inprocess]
@@ -56,7 +57,7 @@ def test_a_batch_of_chunks_is_one_write_and_one_round_trip(gateway_redis_client)
     assert [r.status for r in replies] == [busmod.AppendStatus.APPENDED] * 3
     assert len(writes) == 1 and writes[0] > 3 * len(CHUNK)
     for sid in sids:
-        client.delete(*busmod.session_keys(sid))
+        client.delete(*keys.session_keys(sid))
 
 
 def test_appends_survive_a_flushed_script_cache(gateway_redis_client):
@@ -71,8 +72,8 @@ def test_appends_survive_a_flushed_script_cache(gateway_redis_client):
     assert [(r.status, r.next_seq) for r in replies] == [
         (busmod.AppendStatus.APPENDED, 2), (busmod.AppendStatus.APPENDED, 3),
         (busmod.AppendStatus.DUPLICATE, 3)]
-    assert client.xlen(busmod.audio_key("paths-flush")) == 3
-    client.delete(*busmod.session_keys("paths-flush"))
+    assert client.xlen(keys.audio_key("paths-flush")) == 3
+    client.delete(*keys.session_keys("paths-flush"))
 
 
 def test_replay_reads_every_result_the_stream_keeps(fresh_redis_client):

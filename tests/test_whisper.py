@@ -16,7 +16,7 @@ import pytest
 import redis
 import socketio
 
-from cosyvoice import bus as busmod
+from cosyvoice import keys
 from cosyvoice.asr import WHISPER_BACKENDS, model_data
 from cosyvoice.asr.whisper_engine import CT2Whisper, TorchWhisper, _float_audio
 from cosyvoice.client import transcribe_pcm
@@ -339,10 +339,10 @@ def _transcribe_killing_mid_final(service, pcm: bytes, victims) -> tuple[Any, li
 
     def kill_while_a_final_is_in_hand():
         while not stop.is_set() and not killed:
-            for _id, f in rds.xrange(busmod.SESSIONS):
+            for _id, f in rds.xrange(keys.SESSIONS):
                 sid = f[b"sid"].decode()
                 kinds = _kinds(results(rds, sid))
-                owner = rds.get(busmod.lease_key(sid))
+                owner = rds.get(keys.lease_key(sid))
                 if ("partial", 1) in kinds and ("final", 1) not in kinds and owner:
                     for pid in victims(int(owner.decode().split("-")[-2])):
                         os.kill(pid, signal.SIGKILL)
@@ -550,7 +550,7 @@ def test_a_worker_lost_with_a_final_in_hand_loses_nothing_and_sends_nothing_twic
     # nothing and publishes nothing more
     heir, held = _two_pass_worker(torch_backend, fresh_redis.url, client, **lease)
     held.gate.set()
-    rounds_until(heir, lambda: client.exists(busmod.session_key("a"))
+    rounds_until(heir, lambda: client.exists(keys.session_key("a"))
                  and "end" in [r["type"] for r in results(client, "a")], timeout=60)
     finals = [r for r in results(client, "a") if r["type"] == "final"]
     assert [f["utterance"] for f in finals] == [0, 1], "each final once, in order"
@@ -576,4 +576,4 @@ def test_a_draining_worker_publishes_its_finals_in_hand_before_it_hands_over(
     assert [f["utterance"] for f in finals] == [0]
     checkpoint = json.loads(worker.bus.session_info("a")["checkpoint"])
     assert checkpoint["prompt"] == finals[0]["text"]  # the next owner goes on with context
-    assert not client.exists(busmod.lease_key("a"))
+    assert not client.exists(keys.lease_key("a"))

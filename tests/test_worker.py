@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from cosyvoice import bus as busmod
+from cosyvoice import keys
 from cosyvoice.asr import ENGINES
 from cosyvoice.audio import split_chunks
 
@@ -63,8 +64,8 @@ def test_audio_written_before_any_worker_runs_is_all_decoded(fresh_redis, fresh_
         wait_for(lambda: ended(client, "early"), timeout=20)
         assert final_text(client, "early") == direct_decode(read_pcm("weather"))
         # the announcement is acknowledged and the lease released once the session ended
-        wait_for(lambda: not client.exists(busmod.lease_key("early")))
-        assert client.xpending(busmod.SESSIONS, busmod.WORKER_GROUP)["pending"] == 0
+        wait_for(lambda: not client.exists(keys.lease_key("early")))
+        assert client.xpending(keys.SESSIONS, keys.WORKER_GROUP)["pending"] == 0
     finally:
         terminate(worker)
 
@@ -75,13 +76,13 @@ def test_capacity_limits_sessions_per_process(fresh_redis, fresh_redis_client, a
     worker = start_pool(fresh_redis.url, artifacts, "capacity", capacity=1)
     try:
         write_session(bus, "a", read_pcm("coffee"), last=False)
-        wait_for(lambda: client.exists(busmod.lease_key("a")))
+        wait_for(lambda: client.exists(keys.lease_key("a")))
         write_session(bus, "b", read_pcm("door"))
         time.sleep(1.0)
-        assert not client.exists(busmod.lease_key("b")), "no second session at capacity 1"
+        assert not client.exists(keys.lease_key("b")), "no second session at capacity 1"
         info = busmod.Bus(client).live_workers()[0]
         assert (info["load"], info["capacity"]) == (1, 1)
-        client.delete(*busmod.session_keys("a"))  # the first session is stopped
+        client.delete(*keys.session_keys("a"))  # the first session is stopped
         wait_for(lambda: ended(client, "b"), timeout=20)
         assert wer(fixture_texts()["door"], final_text(client, "b")) <= \
             wer(fixture_texts()["door"], direct_decode(read_pcm("door"))) + 0.01
@@ -116,7 +117,7 @@ def test_sigterm_hands_sessions_over_and_the_transcript_is_unchanged(fresh_redis
         wait_for(lambda: any(r["type"] == "final" for r in results(client, "ho")), timeout=20)
         time.sleep(0.5)
         assert terminate(first) == 0
-        assert not client.exists(busmod.lease_key("ho")), "the lease was released"
+        assert not client.exists(keys.lease_key("ho")), "the lease was released"
         second = start_pool(fresh_redis.url, artifacts, "handover-2")
         write_session(bus, "ho", pcm, start=n - 5)
         wait_for(lambda: ended(client, "ho"), timeout=30)
@@ -147,13 +148,13 @@ def test_a_killed_worker_is_taken_over_without_duplicate_finals(fresh_redis, fre
         n = len(split_chunks(pcm, 16000))
         write_session(bus, "kt", pcm, upto=n - 5)
         wait_for(lambda: any(r["type"] == "final" for r in results(client, "kt")), timeout=20)
-        owner = client.get(busmod.lease_key("kt")).decode()
+        owner = client.get(keys.lease_key("kt")).decode()
         os.kill(int(owner.split("-")[-2]), signal.SIGKILL)
         write_session(bus, "kt", pcm, start=n - 5)
         wait_for(lambda: ended(client, "kt"), timeout=30)
         finals = [r for r in results(client, "kt") if r["type"] == "final"]
         assert _strip_seq(finals) == _strip_seq(reference)
-        new_owner_took_it = client.xpending(busmod.SESSIONS, busmod.WORKER_GROUP)["pending"] == 0
+        new_owner_took_it = client.xpending(keys.SESSIONS, keys.WORKER_GROUP)["pending"] == 0
         assert new_owner_took_it
     finally:
         for w in workers:
@@ -209,9 +210,9 @@ def test_an_engine_failure_ends_only_its_session_with_an_internal_error(fresh_re
     model.explode = True
     write_session(bus, "bad", read_pcm("weather"))
     rounds_until(worker, lambda: "bad" not in worker.sessions
-                 and client.exists(busmod.text_key("bad")), timeout=10)
+                 and client.exists(keys.text_key("bad")), timeout=10)
     assert [r["code"] for r in results(client, "bad") if r["type"] == "error"] == ["internal"]
-    assert not client.exists(busmod.lease_key("bad"))
+    assert not client.exists(keys.lease_key("bad"))
     model.explode = False
     write_session(bus, "good", read_pcm("weather"))
     rounds_until(worker, lambda: ended(client, "good"), timeout=20)
