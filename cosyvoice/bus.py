@@ -6,23 +6,25 @@ trip each, in ``cosyvoice/lua/`` (``scripts.py`` reads them).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
+from redis.commands.core import Script
 from redis.typing import EncodableT, KeyT, StreamIdT
 
 from . import messages, scripts
 from .keys import (
-    CONTROL_KEYS,
-    SESSIONS,
+    CLUSTER_CONTROL,
+    CONTROL,
     SESSIONS_MAXLEN,
-    WORKER_CAPACITY,
     WORKER_FORGET_MS,
     WORKER_GROUP,
-    WORKERS,
     audio_key,
     client_key,
     lease_key,
@@ -32,6 +34,17 @@ from .keys import (
     text_key,
 )
 from .messages import Checkpoint, Published
+
+# On a cluster, a worker that found no audio asks again after this long (a blocking XREAD
+# would wait on one node only).
+CLUSTER_POLL_MS = 10
+
+
+def _raised(reply: Any) -> Any:
+    """A pipelined reply, or the exception it carries raised."""
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
 
 
 class AppendStatus:
@@ -89,12 +102,27 @@ def _single_write(cls: type) -> type:
     return type(f"SingleWrite{cls.__name__}", (_SingleWrite, cls), {})
 
 
-def connect(url: str, max_connections: int = 512, blocking: bool = True) -> redis.Redis:
-    """A client whose pool waits for a free connection instead of failing at the cap."""
+def connect(url: str, max_connections: int = 512, blocking: bool = True,
+            cluster: bool = False) -> redis.Redis:
+    """A client whose pool waits for a free connection instead of failing at the cap.
+
+    ``cluster``: a ``RedisCluster`` client seeded by the comma-separated node URLs in
+    ``url``, with such a pool per node. It is typed as ``redis.Redis``: ``Bus`` uses the
+    commands both share and, where a cluster needs it, takes another path
+    (``Bus.cluster``)."""
     pool_cls = redis.BlockingConnectionPool if blocking else redis.ConnectionPool
-    kwargs = {"max_connections": max_connections}
+    kwargs: dict[str, Any] = {"max_connections": max_connections}
     if blocking:
         kwargs["timeout"] = 10
+    if cluster:
+        seeds = [urlsplit(u.strip()) for u in url.split(",") if u.strip()]
+        nodes = [ClusterNode(s.hostname or "127.0.0.1", s.port or 6379) for s in seeds]
+        pool_kwargs: dict[str, Any] = {"timeout": 10} if blocking else {}
+        node_pool = functools.partial(pool_cls, connection_class=_single_write(redis.Connection),
+                                      **pool_kwargs)
+        client: Any = RedisCluster(startup_nodes=nodes, connection_pool_class=node_pool,
+                                   health_check_interval=30, max_connections=max_connections)
+        return client
     pool = pool_cls.from_url(url, health_check_interval=30, **kwargs)
     pool.connection_class = _single_write(pool.connection_class)
     return redis.Redis(connection_pool=pool)
@@ -106,8 +134,13 @@ class Bus:
     def __init__(self, client: redis.Redis, stream_maxlen: int = 1000):
         self.r = client
         self.stream_maxlen = stream_maxlen
+        # On a Redis Cluster (``connect(cluster=True)``): control keys with one hash tag,
+        # results on sharded pub/sub, and no command over keys of several slots
+        self.cluster = isinstance(client, RedisCluster)
+        self.k = CLUSTER_CONTROL if self.cluster else CONTROL
         self._append = client.register_script(scripts.APPEND)
-        self._publish = client.register_script(scripts.PUBLISH)
+        self._publish = client.register_script(scripts.SPUBLISH if self.cluster
+                                               else scripts.PUBLISH)
         self._renew = client.register_script(scripts.RENEW)
         self._release = client.register_script(scripts.RELEASE)
         self._resume = client.register_script(scripts.RESUME)
@@ -118,6 +151,13 @@ class Bus:
         self._place = client.register_script(scripts.PLACE)
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
         self._forget = client.register_script(scripts.FORGET_CONSUMERS)
+
+    def ping(self) -> None:
+        """Raises unless Redis answers: on a cluster, every primary."""
+        if self.cluster:
+            self.r.ping(target_nodes=RedisCluster.PRIMARIES)
+        else:
+            self.r.ping()
 
     # ---- gateway side -------------------------------------------------------------
 
@@ -133,7 +173,7 @@ class Bus:
         """Announce a created session if the live workers have room for it, atomically
         (see ``lua/admit.lua``). The hash is written first, so no worker can see an
         announcement whose session does not exist yet."""
-        reply = self._admit(keys=CONTROL_KEYS, args=[sid, SESSIONS_MAXLEN])
+        reply = self._admit(keys=self.k.all, args=[sid, SESSIONS_MAXLEN])
         if int(reply[0]) != 1:
             return Admission(False, None, int(reply[1]), int(reply[2]))
         announcement = reply[1].decode()
@@ -142,14 +182,14 @@ class Bus:
 
     def announce(self, sid: str) -> str:
         """Announce a session whatever the capacity: a hand-over, or a test's setup."""
-        announcement = text(self.r.xadd(SESSIONS, {"sid": sid}, maxlen=SESSIONS_MAXLEN,
+        announcement = text(self.r.xadd(self.k.sessions, {"sid": sid}, maxlen=SESSIONS_MAXLEN,
                                         approximate=True))
         self.r.hset(session_key(sid), "announcement", announcement)
         return announcement
 
     def open_sessions(self) -> int:
         """Sessions announced and not yet ended (claimed or waiting for a worker)."""
-        return self.r.xlen(SESSIONS)
+        return self.r.xlen(self.k.sessions)
 
     def resume_session(self, sid: str, conn: str) -> dict[str, str]:
         """Make ``conn`` the session's connection and cancel its expiry; {} if gone."""
@@ -186,27 +226,43 @@ class Bus:
 
         Returns one ``AppendResult`` or exception per item.
         """
-        replies = self._append_pipelined(items)
-        missing = [i for i, r in enumerate(replies)
-                   if isinstance(r, redis.exceptions.NoScriptError)]
-        if missing:
-            # The server lost its script cache (restart, SCRIPT FLUSH): none of these
-            # ran. Load the script and run them again, in their order.
-            self._append.sha = self.r.script_load(self._append.script)
-            again = self._append_pipelined([items[i] for i in missing])
-            for i, reply in zip(missing, again, strict=True):
-                replies[i] = reply
+        # EVALSHA by hand: a pipeline given Script objects first asks the server
+        # SCRIPT EXISTS, one more round trip before every batch of chunks is acked.
+        replies = self._evalsha_pipelined(self._append, [
+            ([session_key(sid), audio_key(sid)],
+             [seq, pb, self.stream_maxlen, rate, 1 if last else 0])
+            for sid, seq, pb, rate, last in items])
         return [r if isinstance(r, Exception) else AppendResult(int(r[0]), int(r[1]))
                 for r in replies]
 
-    def _append_pipelined(self, items: list[tuple[str, int, bytes, int, bool]]) -> list:
-        # EVALSHA by hand: a pipeline given Script objects first asks the server
-        # SCRIPT EXISTS, one more round trip before every batch of chunks is acked.
+    def _delete_keys(self, pipe: Any, keys: list[str]) -> None:
+        """DEL of keys of one slot in a pipeline (a cluster pipeline takes one key a DEL)."""
+        if self.cluster:
+            for key in keys:
+                pipe.delete(key)
+        else:
+            pipe.delete(*keys)
+
+    def _evalsha_pipelined(self, script: Script,
+                           calls: list[tuple[list[KeyT], list[EncodableT]]]) -> list:
+        """Run ``script`` once per (keys, args) in one pipeline, in order; a reply or an
+        exception each. Where a server lost its script cache (a restart, SCRIPT FLUSH;
+        on a cluster each node has its own), the script is loaded and the calls that did
+        not run are sent again, in their order."""
+        replies = self._evalsha_once(script.sha, calls)
+        missing = [i for i, r in enumerate(replies)
+                   if isinstance(r, redis.exceptions.NoScriptError)]
+        if missing:
+            script.sha = text(self.r.script_load(script.script))
+            again = self._evalsha_once(script.sha, [calls[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        return replies
+
+    def _evalsha_once(self, sha: str, calls: list[tuple[list[KeyT], list[EncodableT]]]) -> list:
         pipe = self.r.pipeline(transaction=False)
-        sha = self._append.sha
-        for sid, seq, pb, rate, last in items:
-            pipe.execute_command("EVALSHA", sha, 2, session_key(sid), audio_key(sid),
-                                 seq, pb, self.stream_maxlen, rate, 1 if last else 0)
+        for keys, args in calls:
+            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
         return pipe.execute(raise_on_error=False)
 
     def session_info(self, sid: str) -> dict[str, str]:
@@ -218,10 +274,10 @@ class Bus:
         as open; its worker notices at its next lease renewal)."""
         announcement = self.r.hget(session_key(sid), "announcement")
         pipe = self.r.pipeline(transaction=False)
-        pipe.delete(*session_keys(sid))
+        self._delete_keys(pipe, session_keys(sid))
         if announcement:
-            pipe.xack(SESSIONS, WORKER_GROUP, announcement)
-            pipe.xdel(SESSIONS, announcement)
+            pipe.xack(self.k.sessions, WORKER_GROUP, announcement)
+            pipe.xdel(self.k.sessions, announcement)
         pipe.execute()
 
     def results_after(self, sid: str, after_id: str = "-"):
@@ -234,7 +290,7 @@ class Bus:
     def live_workers(self) -> list[dict]:
         """Workers whose heartbeat has not lapsed: ``{id, capacity, load}``, where load
         is the number of sessions the worker owns (announcements pending with it)."""
-        flat = self._live(keys=CONTROL_KEYS)
+        flat = self._live(keys=self.k.all)
         return [{"id": flat[i].decode(), "capacity": int(flat[i + 1]), "load": int(flat[i + 2])}
                 for i in range(0, len(flat), 3)]
 
@@ -242,7 +298,7 @@ class Bus:
 
     def ensure_group(self) -> None:
         try:
-            self.r.xgroup_create(SESSIONS, WORKER_GROUP, id="0", mkstream=True)
+            self.r.xgroup_create(self.k.sessions, WORKER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -252,7 +308,7 @@ class Bus:
         """Take up to ``free`` sessions if this worker is the least loaded (``lua/place.lua``):
         those whose owner died (idle past ``orphan_idle_ms``; 0 skips them), then new
         ones. Returns the newest announcement id too, for ``wait_announcement``."""
-        reply = self._place(keys=CONTROL_KEYS,
+        reply = self._place(keys=self.k.all,
                             args=[consumer, capacity, free, orphan_idle_ms, defer_ms])
         return reply[0].decode(), [Announcement(mid.decode(), sid.decode())
                                    for mid, sid in reply[1:]]
@@ -260,26 +316,26 @@ class Bus:
     def wait_announcement(self, after_id: str, block_ms: int) -> bool:
         """Block until an announcement newer than ``after_id`` arrives (or the time is
         up): how an idle worker hears of a new session without polling."""
-        return bool(self.r.xread({SESSIONS: after_id}, count=1, block=block_ms))
+        return bool(self.r.xread({self.k.sessions: after_id}, count=1, block=block_ms))
 
     def touch_announcements(self, consumer: str, msg_ids: list[str]) -> None:
         """Reset the idle time of announcements we own, so nobody claims them."""
         if msg_ids:
             ids: list[StreamIdT] = [*msg_ids]
-            self.r.xclaim(SESSIONS, WORKER_GROUP, consumer, 0, ids, justid=True)
+            self.r.xclaim(self.k.sessions, WORKER_GROUP, consumer, 0, ids, justid=True)
 
     def ack_announcement(self, msg_id: str) -> None:
         pipe = self.r.pipeline(transaction=False)
-        pipe.xack(SESSIONS, WORKER_GROUP, msg_id)
-        pipe.xdel(SESSIONS, msg_id)
+        pipe.xack(self.k.sessions, WORKER_GROUP, msg_id)
+        pipe.xdel(self.k.sessions, msg_id)
         pipe.execute()
 
     def reannounce(self, sid: str, old_msg_id: str) -> None:
         """Hand a session to the next free worker at once (graceful shutdown)."""
         self.announce(sid)
         pipe = self.r.pipeline(transaction=False)
-        pipe.xack(SESSIONS, WORKER_GROUP, old_msg_id)
-        pipe.xdel(SESSIONS, old_msg_id)
+        pipe.xack(self.k.sessions, WORKER_GROUP, old_msg_id)
+        pipe.xdel(self.k.sessions, old_msg_id)
         pipe.execute()
 
     def take_lease(self, sid: str, worker_id: str, ttl_ms: int) -> bool:
@@ -287,17 +343,25 @@ class Bus:
 
     def renew_leases(self, sids: list[str], worker_id: str, ttl_ms: int) -> dict[str, int]:
         """Renew every lease in one round trip; 1 kept, 0 lost, -1 session gone."""
+        if not sids:
+            return {}
+        if self.cluster:  # a cluster pipeline takes no Script: EVALSHA by hand
+            replies = self._evalsha_pipelined(self._renew, [
+                ([lease_key(sid), session_key(sid)], [worker_id, ttl_ms]) for sid in sids])
+            return {sid: int(_raised(r)) for sid, r in zip(sids, replies, strict=True)}
         pipe = self.r.pipeline(transaction=False)
         for sid in sids:
             self._renew(keys=[lease_key(sid), session_key(sid)], args=[worker_id, ttl_ms],
                         client=pipe)
-        return dict(zip(sids, (int(x) for x in pipe.execute()), strict=True)) if sids else {}
+        return dict(zip(sids, (int(x) for x in pipe.execute()), strict=True))
 
     def release_lease(self, sid: str, worker_id: str) -> None:
         self._release(keys=[lease_key(sid)], args=[worker_id])
 
     def read_audio(self, positions: dict[str, str], count: int, block_ms: int | None):
         """New audio entries of each session after its position: {sid: [(id, pb)]}."""
+        if self.cluster:
+            return self._read_audio_per_slot(positions, count, block_ms)
         streams: dict[KeyT, StreamIdT] = {audio_key(sid): pos for sid, pos in positions.items()}
         # redis-py types the reply for every protocol and decoding mode; this client's
         # is RESP2 bytes: [(key, [(id, {field: value})])].
@@ -306,6 +370,23 @@ class Bus:
         for key, entries in reply or []:
             sid = sid_from_channel(key.decode())
             out[sid] = [(mid.decode(), fields[b"pb"]) for mid, fields in entries]
+        return out
+
+    def _read_audio_per_slot(self, positions: dict[str, str], count: int,
+                             block_ms: int | None) -> dict[str, list[tuple[str, bytes]]]:
+        """``read_audio`` on a cluster, where one XREAD may not name streams of several
+        slots: an XREAD per session, sent in one pipeline (one round trip per node), and
+        where nothing came, a pause of up to CLUSTER_POLL_MS instead of a blocking read."""
+        pipe = self.r.pipeline(transaction=False)
+        sids = list(positions)
+        for sid in sids:
+            pipe.xread({audio_key(sid): positions[sid]}, count=count)
+        out: dict[str, list[tuple[str, bytes]]] = {}
+        for sid, reply in zip(sids, pipe.execute(), strict=True):
+            for _key, entries in reply or []:
+                out[sid] = [(mid.decode(), fields[b"pb"]) for mid, fields in entries]
+        if not out and block_ms:
+            time.sleep(min(block_ms, CLUSTER_POLL_MS) / 1000)
         return out
 
     def _xrange(self, key: str, start: str,
@@ -328,7 +409,7 @@ class Bus:
 
     def heartbeat(self, worker_id: str, capacity: int, ttl_ms: int) -> None:
         """The worker is live for ``ttl_ms`` more, with room for ``capacity`` sessions."""
-        self._heartbeat(keys=[WORKERS, WORKER_CAPACITY],
+        self._heartbeat(keys=[self.k.workers, self.k.worker_capacity],
                         args=[worker_id, capacity, ttl_ms, WORKER_FORGET_MS])
 
     # ---- sweeper ------------------------------------------------------------------------
@@ -339,7 +420,7 @@ class Bus:
     def announcements(self, after: str = "-", count: int = 500) -> list[Announcement]:
         start = "-" if after == "-" else "(" + after
         return [Announcement(mid, fields.get(b"sid", b"").decode())
-                for mid, fields in self._xrange(SESSIONS, start, count)]
+                for mid, fields in self._xrange(self.k.sessions, start, count)]
 
     def last_activity_ms(self, sids: list[str]) -> dict[str, int | None]:
         """Time of each session's newest audio entry (or its creation); None if gone."""
@@ -364,23 +445,23 @@ class Bus:
         pipe = self.r.pipeline(transaction=False)
         pipe.xtrim(audio_key(sid), maxlen=0)
         pipe.xtrim(text_key(sid), maxlen=0)
-        pipe.delete(*session_keys(sid))
-        pipe.xack(SESSIONS, WORKER_GROUP, msg_id)
-        pipe.xdel(SESSIONS, msg_id)
+        self._delete_keys(pipe, session_keys(sid))
+        pipe.xack(self.k.sessions, WORKER_GROUP, msg_id)
+        pipe.xdel(self.k.sessions, msg_id)
         pipe.execute()
 
     def remove_worker(self, worker_id: str) -> None:
         """A stopping worker leaves: no longer live, its consumer forgotten once empty."""
         pipe = self.r.pipeline(transaction=False)
-        pipe.zrem(WORKERS, worker_id)
-        pipe.hdel(WORKER_CAPACITY, worker_id)
+        pipe.zrem(self.k.workers, worker_id)
+        pipe.hdel(self.k.worker_capacity, worker_id)
         pipe.execute()
         self.forget_consumers([worker_id])
 
     def dead_consumers(self) -> list[str]:
         """Consumers of the group that are not live workers (killed or stopped ones)."""
         try:
-            consumers = self.r.xinfo_consumers(SESSIONS, WORKER_GROUP)
+            consumers = self.r.xinfo_consumers(self.k.sessions, WORKER_GROUP)
         except redis.ResponseError:
             return []  # no stream or group yet
         live = {w["id"] for w in self.live_workers()}
@@ -388,4 +469,4 @@ class Bus:
 
     def forget_consumers(self, names: list[str]) -> int:
         """Delete these consumers from the group, each only if it holds no announcement."""
-        return int(self._forget(keys=[SESSIONS], args=names)) if names else 0
+        return int(self._forget(keys=[self.k.sessions], args=names)) if names else 0

@@ -3,11 +3,15 @@
 All keys of one session share the hash tag ``{SID}`` (the part Redis Cluster hashes), so
 a session's keys live in one slot and its scripts run unchanged on a cluster. The
 control keys (the announcement stream, the live workers and their capacities) are
-shared by every session. The layout as a whole is in docs/architecture.md, "Redis layout and
+shared by every session; on a cluster they share the hash tag ``{cosyvoice}`` instead
+(``CLUSTER_CONTROL``), so the admission and placement scripts, which read all three, run
+on the one node that holds them. The layout as a whole is in docs/architecture.md, "Redis layout and
 session ownership".
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 SESSIONS = "sessions"
 WORKER_GROUP = "workers"
@@ -19,6 +23,24 @@ WORKER_FORGET_MS = 60_000
 CONTROL_KEYS = [SESSIONS, WORKERS, WORKER_CAPACITY]
 # The announcement stream keeps this many entries (each is a few dozen bytes).
 SESSIONS_MAXLEN = 10000
+
+
+@dataclass(frozen=True)
+class Control:
+    """The names of the control keys on one deployment's Redis."""
+    sessions: str
+    workers: str
+    worker_capacity: str
+
+    @property
+    def all(self) -> list[str]:
+        """The keys the admission and placement scripts read, in their order."""
+        return [self.sessions, self.workers, self.worker_capacity]
+
+
+CONTROL = Control(SESSIONS, WORKERS, WORKER_CAPACITY)
+CLUSTER_CONTROL = Control("{cosyvoice}:sessions", "{cosyvoice}:workers",
+                          "{cosyvoice}:worker_capacity")
 
 
 def audio_key(sid: str) -> str:

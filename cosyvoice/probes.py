@@ -19,9 +19,10 @@ SESSIONS_SAMPLE_S = 1.0
 
 
 def readiness(bus: busmod.Bus) -> tuple[bool, dict]:
-    """(ready, JSON body): Redis answers and a worker's heartbeat is fresh."""
+    """(ready, JSON body): Redis (on a cluster, every primary) answers and a worker's
+    heartbeat is fresh."""
     try:
-        bus.r.ping()
+        bus.ping()
         workers = bus.live_workers()
         open_sessions = bus.open_sessions()
     except redis.RedisError as exc:

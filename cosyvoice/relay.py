@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import gevent
 import redis
@@ -16,6 +17,7 @@ from flask_socketio import SocketIO
 from gevent.event import AsyncResult
 from gevent.lock import Semaphore
 from gevent.queue import Queue
+from redis.client import PubSub
 
 from . import bus as busmod
 from . import keys, messages, metrics
@@ -94,17 +96,19 @@ class ResultRelay:
 
     Results carry their replay-stream id; a route drops any id it has already passed,
     so replay (after a resume, or after the subscriber lost Redis) and live delivery
-    never show a client the same result twice.
+    never show a client the same result twice. On a Redis Cluster the results come by
+    sharded pub/sub, one reader per node (``ShardedChannels``).
     """
 
     def __init__(self, client: redis.Redis, bus: busmod.Bus, socketio: SocketIO,
                  start: bool = True):
         self.socketio = socketio
         self.bus = bus
-        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
         self.routes: dict[str, Route] = {}  # session id -> route
-        self._lock = Semaphore()
-        self._greenlet = gevent.spawn(self._run) if start else None
+        self.channels: Channels | ShardedChannels = (
+            ShardedChannels(client, self) if bus.cluster else Channels(client, self))
+        if start:
+            self.channels.start()
 
     def subscribe(self, session: str, socket_id: str, after: str | None = None) -> None:
         """Route the session's results to ``socket_id``.
@@ -114,8 +118,7 @@ class ResultRelay:
         """
         last = None if after in (None, "-") else after
         self.routes[session] = Route(socket_id, last, replaying=after is not None)
-        with self._lock:
-            self.pubsub.subscribe(keys.text_key(session))
+        self.channels.add(keys.text_key(session))
 
     def replay(self, session: str) -> None:
         route = self.routes.get(session)
@@ -127,8 +130,17 @@ class ResultRelay:
         if route is None or (socket_id is not None and route.socket_id != socket_id):
             return
         del self.routes[session]
-        with self._lock:
-            self.pubsub.unsubscribe(keys.text_key(session))
+        self.channels.remove(keys.text_key(session))
+
+    def missed(self, channels: list[str] | None = None) -> None:
+        """Results may have been published while nobody listened on ``channels`` (None:
+        all of them): send each of those sessions what its connection lacks."""
+        sessions = (list(self.routes) if channels is None
+                    else [keys.sid_from_channel(c) for c in channels])
+        for session in sessions:
+            route = self.routes.get(session)
+            if route is not None:
+                gevent.spawn(self._replay, session, route)
 
     def _replay(self, session: str, route: Route) -> None:
         route.replaying = True
@@ -141,37 +153,7 @@ class ResultRelay:
             for result_id, payload in held:
                 self._send(session, route, result_id, payload)
 
-    def _run(self) -> None:
-        backoff = Backoff()
-        lost = False
-        while True:
-            try:
-                if not self.pubsub.subscribed:
-                    gevent.sleep(0.05)
-                    continue
-                msg = self.pubsub.get_message(timeout=1.0)
-                if lost:
-                    # The connection came back and redis-py re-subscribed: fetch what
-                    # was published while we were not listening.
-                    lost = False
-                    log.info("result subscriber reconnected; replaying missed results")
-                    for session, route in list(self.routes.items()):
-                        gevent.spawn(self._replay, session, route)
-                backoff.succeeded()
-            except redis.RedisError as exc:
-                lost = True
-                pause = backoff.failed()
-                log.warning("result subscriber lost redis, retrying in %.1fs: %s", pause, exc)
-                metrics.REDIS_ERRORS.inc()
-                gevent.sleep(pause)
-                continue
-            if msg and msg["type"] == "message":
-                try:
-                    self._deliver(msg["channel"].decode(), msg["data"].decode())
-                except Exception:  # noqa: BLE001 - one bad message must not stop delivery
-                    log.exception("could not deliver a result")
-
-    def _deliver(self, channel: str, data: str) -> None:
+    def deliver(self, channel: str, data: str) -> None:
         session = keys.sid_from_channel(channel)
         route = self.routes.get(session)
         if route is None:
@@ -189,3 +171,169 @@ class ResultRelay:
         route.last_id = result_id
         event, data = messages.to_event(session, result_id, messages.from_json(payload))
         self.socketio.emit(event, data, to=route.socket_id, namespace=NAMESPACE)
+
+
+class Channels:
+    """The result channels of one gateway process on one Redis: one connection
+    subscribed to them all, read by one greenlet."""
+
+    def __init__(self, client: redis.Redis, relay: ResultRelay):
+        self.relay = relay
+        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self._lock = Semaphore()
+
+    def start(self) -> None:
+        gevent.spawn(self._run)
+
+    def add(self, channel: str) -> None:
+        with self._lock:
+            self.pubsub.subscribe(channel)
+
+    def remove(self, channel: str) -> None:
+        with self._lock:
+            self.pubsub.unsubscribe(channel)
+
+    def _run(self) -> None:
+        backoff = Backoff()
+        lost = False
+        while True:
+            try:
+                if not self.pubsub.subscribed:
+                    gevent.sleep(0.05)
+                    continue
+                msg = self.pubsub.get_message(timeout=1.0)
+                if lost:
+                    # The connection came back and redis-py re-subscribed: fetch what
+                    # was published while we were not listening.
+                    lost = False
+                    log.info("result subscriber reconnected; replaying missed results")
+                    self.relay.missed()
+                backoff.succeeded()
+            except redis.RedisError as exc:
+                lost = True
+                pause = backoff.failed()
+                log.warning("result subscriber lost redis, retrying in %.1fs: %s", pause, exc)
+                metrics.REDIS_ERRORS.inc()
+                gevent.sleep(pause)
+                continue
+            if msg and msg["type"] == "message":
+                _deliver(self.relay, msg)
+
+
+class ShardedChannels:
+    """The result channels of one gateway process on a Redis Cluster, by sharded pub/sub:
+    each channel is subscribed (SSUBSCRIBE) on the primary that owns its slot, one
+    connection and one reading greenlet per primary.
+
+    Sharded pub/sub is lost when a node fails over or a slot moves (the server then
+    ends the channel's subscription): the channel is subscribed again on its owner as the
+    cluster now says it is, and its session's results are replayed from ``text:{SID}``.
+    """
+
+    def __init__(self, client: redis.Redis, relay: ResultRelay):
+        self.cluster: Any = client  # a RedisCluster (connect(cluster=True))
+        self.relay = relay
+        self.readers: dict[str, PubSub] = {}  # node name -> its subscriber
+        self.owner: dict[str, str] = {}  # channel -> the node it is subscribed on
+        self._lock = Semaphore()
+        self._started = False
+
+    def start(self) -> None:
+        self._started = True
+        for name in list(self.readers):
+            gevent.spawn(self._run, name)
+
+    def add(self, channel: str) -> None:
+        with self._lock:
+            self._subscribe(channel)
+
+    def remove(self, channel: str) -> None:
+        with self._lock:
+            name = self.owner.pop(channel, None)
+            reader = self.readers.get(name) if name else None
+            if reader is not None:
+                try:
+                    reader.sunsubscribe(channel)
+                except redis.RedisError as exc:
+                    log.warning("could not unsubscribe %s: %s", channel, exc)
+
+    def _subscribe(self, channel: str) -> None:
+        node = self.cluster.get_node_from_key(channel)
+        reader = self.readers.get(node.name)
+        if reader is None:
+            conn = redis.Redis(host=node.host, port=node.port, health_check_interval=30)
+            reader = self.readers[node.name] = conn.pubsub()
+            if self._started:
+                gevent.spawn(self._run, node.name)
+        reader.ssubscribe(channel)
+        self.owner[channel] = node.name
+
+    def _run(self, name: str) -> None:
+        while True:
+            reader = self.readers.get(name)
+            if reader is None:
+                return
+            try:
+                if not reader.subscribed:
+                    gevent.sleep(0.05)
+                    continue
+                msg = reader.get_message(timeout=1.0)
+            except redis.RedisError as exc:
+                log.warning("result subscriber of %s lost it: %s", name, exc)
+                metrics.REDIS_ERRORS.inc()
+                self._lost(name)
+                return
+            if not msg:
+                continue
+            if msg["type"] == "smessage":
+                _deliver(self.relay, msg)
+            elif msg["type"] == "sunsubscribe":
+                self._moved(name, msg["channel"].decode())
+
+    def _lost(self, name: str) -> None:
+        """A node's subscriber failed (the node died, or failed over): find each of its
+        channels' owner anew, subscribe there, replay what may have been missed."""
+        with self._lock:
+            reader = self.readers.pop(name, None)
+            channels = [c for c, n in self.owner.items() if n == name]
+            for channel in channels:
+                del self.owner[channel]
+        if reader is not None:
+            try:
+                reader.close()
+            except redis.RedisError:
+                pass
+        self._resubscribe(channels)
+
+    def _moved(self, name: str, channel: str) -> None:
+        """The server ended a subscription: its slot moved (or we asked, and the channel
+        is no longer ours)."""
+        if self.owner.get(channel) != name:
+            return
+        with self._lock:
+            del self.owner[channel]
+        self._resubscribe([channel])
+
+    def _resubscribe(self, channels: list[str]) -> None:
+        backoff = Backoff()
+        while channels:
+            try:
+                self.cluster.nodes_manager.initialize()
+                with self._lock:
+                    for channel in channels:
+                        if keys.sid_from_channel(channel) in self.relay.routes:
+                            self._subscribe(channel)
+                break
+            except redis.RedisError as exc:
+                pause = backoff.failed()
+                log.warning("cannot subscribe again, retrying in %.1fs: %s", pause, exc)
+                metrics.REDIS_ERRORS.inc()
+                gevent.sleep(pause)
+        self.relay.missed(channels)
+
+
+def _deliver(relay: ResultRelay, msg: dict) -> None:
+    try:
+        relay.deliver(msg["channel"].decode(), msg["data"].decode())
+    except Exception:  # noqa: BLE001 - one bad message must not stop delivery
+        log.exception("could not deliver a result")

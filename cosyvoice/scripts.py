@@ -21,6 +21,10 @@ def source(name: str) -> str:
 # a session's data
 APPEND = source("append")
 PUBLISH = source("publish")
+# On a Redis Cluster, the same with sharded pub/sub: SPUBLISH reaches the subscribers on
+# the channel's shard only, where a plain PUBLISH is copied to every node.
+SPUBLISH = PUBLISH.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
+assert SPUBLISH.count("SPUBLISH") == 1
 RESUME = source("resume")
 RELEASE_CONN = source("release_conn")
 SLOT = source("slot")

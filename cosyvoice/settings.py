@@ -29,8 +29,11 @@ _FALSE = {"0", "false", "no", "off", ""}
 
 @dataclass(frozen=True)
 class Settings:
-    # Redis URL; empty means `cosyvoice serve` starts an embedded redis-server.
+    # Redis URL; empty means `cosyvoice serve` starts an embedded redis-server. With
+    # redis_cluster, one or more comma-separated seed nodes of the cluster.
     redis_url: str = ""
+    # Connect to a Redis Cluster (redis-py's RedisCluster) instead of one Redis.
+    redis_cluster: bool = False
     # Gateway bind address and port.
     host: str = "127.0.0.1"
     port: int = 5000
@@ -197,6 +200,12 @@ class Settings:
             if not ok(value):
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()}={value!r}: "
                                     f"expected {expected}")
+        if self.redis_cluster and not self.redis_url:
+            raise SettingsError(f"{ENV_PREFIX}REDIS_CLUSTER=true needs {ENV_PREFIX}REDIS_URL: "
+                                "the cluster's seed nodes (the embedded Redis is one node)")
+        if not self.redis_cluster and "," in self.redis_url:
+            raise SettingsError(f"{ENV_PREFIX}REDIS_URL={self.redis_url!r}: several nodes "
+                                f"are seeds of a cluster; set {ENV_PREFIX}REDIS_CLUSTER=true")
         if self.lease_renew_ms >= self.lease_ttl_ms:
             raise SettingsError(f"{ENV_PREFIX}LEASE_RENEW_MS={self.lease_renew_ms} must be "
                                 f"less than {ENV_PREFIX}LEASE_TTL_MS={self.lease_ttl_ms}")
@@ -232,9 +241,11 @@ def _parse(name: str, type_name: str, raw: str) -> bool | int | float | str:
 _KINDS = {"bool": "true or false", "int": "a whole number", "float": "a number"}
 
 
-def _redis_url(url: str) -> bool:
-    if not url:
-        return True
+def _redis_url(urls: str) -> bool:
+    return all(_one_redis_url(url) for url in urls.split(",")) if urls else True
+
+
+def _one_redis_url(url: str) -> bool:
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 (raises ValueError on a bad port)
@@ -260,7 +271,7 @@ def _one_of(*choices) -> tuple[Callable, str]:
 # What each setting may be; values outside these stop a process before it starts.
 _RULES: dict[str, tuple[Callable, str]] = {
     "redis_url": (_redis_url, "redis://host:port[/db], rediss://... or unix:///path "
-                              "(empty: embedded Redis)"),
+                              "(empty: embedded Redis; a cluster's seeds separated by commas)"),
     "port": ((lambda v: 1 <= v <= 65535), "a port from 1 to 65535"),
     "worker_metrics_port": ((lambda v: 0 <= v <= 65535), "a port from 1 to 65535, or 0"),
     "gateway_processes": _at_least(1),

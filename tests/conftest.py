@@ -19,6 +19,7 @@ import redis
 from cosyvoice.embedded_redis import EmbeddedRedis
 
 from . import launcher, tiers
+from .cluster import Cluster, redis_cluster
 from .helpers import TEST_ENV
 
 
@@ -90,6 +91,15 @@ def service(redis_server: EmbeddedRedis, artifacts: Path) -> Iterator[launcher.S
                                  name="service")
     yield svc
     svc.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """A Redis Cluster of three primaries (Debian's redis-server 7) on free ports, shared
+    by the tests that run the service on a cluster: every deployment's keys are its own
+    (a session's under its id, the control keys under ``{cosyvoice}``)."""
+    with redis_cluster(3) as c:
+        yield c
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-import redis
 import requests
 
 from cosyvoice import bus as busmod
@@ -83,7 +82,8 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 3
 
 
 def live_workers(redis_url: str) -> int:
-    client = redis.Redis.from_url(redis_url)
+    """Live ASR worker processes on this Redis (several comma-separated seeds: a cluster)."""
+    client = busmod.connect(redis_url, blocking=False, cluster="," in redis_url)
     try:
         return len(busmod.Bus(client).live_workers())
     finally:

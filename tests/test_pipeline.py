@@ -36,15 +36,23 @@ pytestmark = pytest.mark.system
 TEXTS = fixture_texts()
 
 
-@pytest.fixture(scope="module", params=[ENGINE, "pocketsphinx"])
+@pytest.fixture(scope="module", params=[ENGINE, "pocketsphinx", "cluster"])
 def speech_service(request, service, module_redis, artifacts):
     """(engine, service): the test service (the default engine), then one running
     PocketSphinx, the low-cost engine, on a Redis of its own (every pool on one Redis
-    runs the same engine)."""
-    engine = request.param
-    if engine == ENGINE:
-        yield engine, service
+    runs the same engine), then the default engine on a Redis Cluster of three primaries
+    (``COSYVOICE_REDIS_CLUSTER``)."""
+    if request.param == ENGINE:
+        yield ENGINE, service
         return
+    if request.param == "cluster":
+        cluster = request.getfixturevalue("cluster")
+        svc = launcher.start_service(cluster.url, logs=artifacts, name="pipeline-cluster",
+                                     env={**TEST_ENV, "COSYVOICE_REDIS_CLUSTER": "true"})
+        yield ENGINE, svc
+        svc.stop()
+        return
+    engine = request.param
     svc = launcher.start_service(module_redis.url, env={**TEST_ENV, "COSYVOICE_ENGINE": engine},
                                  logs=artifacts, name=f"pipeline-{engine}")
     yield engine, svc

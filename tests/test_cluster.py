@@ -1,0 +1,88 @@
+"""The Redis layer on a real Redis Cluster (three primaries, Debian's redis-server 7): every
+command stays within one slot, sessions spread over the primaries and leave nothing
+behind, and a node that lost its scripts gets them again. The service on a cluster runs
+the pipeline tests (tests/test_pipeline.py, ``cluster``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cosyvoice import bus as busmod
+from cosyvoice import keys
+from cosyvoice.messages import Checkpoint, Published
+from cosyvoice.protocol import encode_chunk
+
+pytestmark = pytest.mark.system
+
+SESSIONS = 1000
+
+
+@pytest.fixture
+def bus(cluster):
+    client = busmod.connect(cluster.url, cluster=True)
+    yield busmod.Bus(client)
+    for node in cluster.primaries():
+        node.client().flushall()
+    client.close()
+
+
+def _final(text: str) -> Published:
+    return {"type": "final", "text": text, "utterance": 0, "start": 0.0, "end": 1.0}
+
+
+def test_sessions_spread_over_the_primaries_and_leave_only_the_control_keys(bus, cluster):
+    assert bus.cluster and bus.k == keys.CLUSTER_CONTROL
+    bus.ensure_group()
+    bus.heartbeat("w1", SESSIONS, 10_000)
+    idle = cluster.key_counts()
+    sids = [f"s{i}" for i in range(SESSIONS)]
+    for sid in sids:
+        bus.create_session(sid, 16000)
+        assert bus.admit(sid).admitted
+    claimed: list[busmod.Announcement] = []
+    while len(claimed) < SESSIONS:
+        _newest, got = bus.place("w1", SESSIONS, SESSIONS - len(claimed), 0, 1000)
+        assert got, "placement stopped before every session was placed"
+        claimed += got
+    assert sorted(a.sid for a in claimed) == sorted(sids)
+    replies = bus.append_chunks([(sid, 0, encode_chunk(b"\0" * 6400, 0), 16000, False)
+                                 for sid in sids])
+    assert all(r.status == busmod.AppendStatus.APPENDED for r in replies)
+    assert {sid: len(e) for sid, e in bus.read_audio(dict.fromkeys(sids, "0-0"), 5, 50).items()} \
+        == dict.fromkeys(sids, 1)
+    for sid in sids:
+        assert bus.take_lease(sid, "w1", 10_000)
+    assert set(bus.renew_leases(sids, "w1", 10_000).values()) == {1}
+    for sid in sids[:10]:
+        assert bus.publish_results(sid, [_final(sid)], 60, Checkpoint("1-0", 0, {"rate": 16000}))
+        [(_id, payload)] = bus.results_after(sid)
+        assert sid in payload
+    busy = cluster.key_counts()
+    # each session's hash, audio stream and lease, ten result streams, the control keys
+    assert sum(busy.values()) == 3 * SESSIONS + 10 + 3
+    assert all(n > SESSIONS // 2 for n in busy.values()), f"sessions did not spread: {busy}"
+    for sid in sids:
+        bus.delete_session(sid)
+    assert bus.open_sessions() == 0
+    assert cluster.key_counts() == idle
+    # the control keys, on the one primary that holds their hash tag
+    assert sorted(n for n in idle.values() if n) == [3]
+
+
+def _flush_scripts(cluster) -> None:
+    for node in cluster.primaries():
+        node.client().script_flush()
+
+
+def test_a_primary_that_lost_its_scripts_gets_them_again(bus, cluster):
+    bus.create_session("s", 16000)
+    bus.announce("s")
+    assert bus.take_lease("s", "w1", 10_000)
+    _flush_scripts(cluster)
+    [reply] = bus.append_chunks([("s", 0, encode_chunk(b"\0" * 640, 0), 16000, False)])
+    assert reply.status == busmod.AppendStatus.APPENDED
+    _flush_scripts(cluster)
+    assert bus.renew_leases(["s"], "w1", 10_000) == {"s": 1}
+    _flush_scripts(cluster)
+    assert bus.publish_results("s", [_final("again")], 60)
+    assert "again" in bus.results_after("s")[0][1]
