@@ -181,6 +181,7 @@ class Channels:
         self.relay = relay
         self.pubsub = client.pubsub(ignore_subscribe_messages=True)
         self._lock = Semaphore()
+        self._watched: object = None
 
     def start(self) -> None:
         gevent.spawn(self._run)
@@ -188,6 +189,13 @@ class Channels:
     def add(self, channel: str) -> None:
         with self._lock:
             self.pubsub.subscribe(channel)
+            self._watched = on_reconnect(self.pubsub, self._watched, self._reconnected)
+
+    def _reconnected(self, _connection) -> None:
+        """redis-py connected the subscriber again and subscribed it to every channel:
+        results published meanwhile reached nobody."""
+        log.info("result subscriber reconnected; replaying missed results")
+        self.relay.missed()
 
     def remove(self, channel: str) -> None:
         with self._lock:
@@ -235,6 +243,7 @@ class ShardedChannels:
         self.relay = relay
         self.readers: dict[str, PubSub] = {}  # node name -> its subscriber
         self.owner: dict[str, str] = {}  # channel -> the node it is subscribed on
+        self._watchers: dict[str, _NodeWatch] = {}
         self._lock = Semaphore()
         self._started = False
 
@@ -263,10 +272,19 @@ class ShardedChannels:
         if reader is None:
             conn = redis.Redis(host=node.host, port=node.port, health_check_interval=30)
             reader = self.readers[node.name] = conn.pubsub()
+            self._watchers[node.name] = _NodeWatch(self, node.name)
             if self._started:
                 gevent.spawn(self._run, node.name)
         reader.ssubscribe(channel)
         self.owner[channel] = node.name
+        watch = self._watchers[node.name]
+        watch.connection = on_reconnect(reader, watch.connection, watch.reconnected)
+
+    def reconnected(self, name: str) -> None:
+        """redis-py connected a node's subscriber again and subscribed it to its
+        channels: results published on them meanwhile reached nobody."""
+        log.info("result subscriber of %s reconnected; replaying missed results", name)
+        self.relay.missed([c for c, n in self.owner.items() if n == name])
 
     def _run(self, name: str) -> None:
         while True:
@@ -295,6 +313,7 @@ class ShardedChannels:
         channels' owner anew, subscribe there, replay what may have been missed."""
         with self._lock:
             reader = self.readers.pop(name, None)
+            self._watchers.pop(name, None)
             channels = [c for c, n in self.owner.items() if n == name]
             for channel in channels:
                 del self.owner[channel]
@@ -330,6 +349,32 @@ class ShardedChannels:
                 metrics.REDIS_ERRORS.inc()
                 gevent.sleep(pause)
         self.relay.missed(channels)
+
+
+class _NodeWatch:
+    """Tells ``ShardedChannels`` that one node's subscriber connected again (redis-py
+    keeps its connect callbacks as weak references: this object holds the method)."""
+
+    def __init__(self, channels: ShardedChannels, name: str):
+        self.channels = channels
+        self.name = name
+        self.connection: object = None
+
+    def reconnected(self, _connection) -> None:
+        self.channels.reconnected(self.name)
+
+
+def on_reconnect(pubsub: PubSub, watched: object, callback) -> object:
+    """Have ``callback`` called each time redis-py connects ``pubsub`` again, which it
+    does by itself inside a read after the connection failed, subscribing it again to
+    every channel first (its own callback, registered before ours). Returns the
+    connection now watched; ``watched`` is the one watched before (the connection exists
+    from the first subscription on, so the first connect is never reported)."""
+    connection = pubsub.connection
+    if connection is not None and connection is not watched:
+        connection.register_connect_callback(callback)
+        return connection
+    return watched
 
 
 def _deliver(relay: ResultRelay, msg: dict) -> None:

@@ -1,7 +1,10 @@
 """Faults through the running service: dropped connections, dead workers, Redis outages.
 
 The bar each time: the client's final transcript equals a run with no fault, no final
-reaches the client twice, and no accepted audio is lost.
+reaches the client twice, and no accepted audio is lost. Each runs with the neural engine
+and with PocketSphinx on one Redis, and with the neural engine on a Redis Cluster of
+three primaries with a replica each, where the Redis outage is a primary failing over to
+its replica while the session streams.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import threading
 import time
 
 import pytest
-import redis
 import requests
 import socketio
 
@@ -21,6 +23,7 @@ from cosyvoice import keys
 from cosyvoice.client import StreamingClient
 
 from . import launcher
+from .cluster import redis_cluster
 from .helpers import TEST_ENV, normalize, read_pcm
 from .launcher import wait_for
 from .netfault import CuttableProxy
@@ -48,13 +51,25 @@ def fault_redis():
         yield server
 
 
-@pytest.fixture(scope="module", params=["whisper-live", "pocketsphinx"])
-def fault_service(request, fault_redis, artifacts):
+@pytest.fixture(scope="module")
+def replicated_cluster():
+    with redis_cluster(3, replicas=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module", params=["whisper-live", "pocketsphinx", "cluster"])
+def fault_service(request, artifacts):
     """The service under faults, with the neural engine and with PocketSphinx: both must
-    rebuild a session from its checkpoint exactly."""
-    engine = request.param
-    svc = launcher.start_service(fault_redis.url, env={**FAULT_ENV, "COSYVOICE_ENGINE": engine},
-                                 logs=artifacts, name=f"faults-{engine}")
+    rebuild a session from its checkpoint exactly; then the neural engine on a cluster."""
+    if request.param == "cluster":
+        cluster = request.getfixturevalue("replicated_cluster")
+        svc = launcher.start_service(cluster.url, logs=artifacts, name="faults-cluster",
+                                     env={**FAULT_ENV, "COSYVOICE_REDIS_CLUSTER": "true"})
+        svc.cluster = cluster  # type: ignore[attr-defined]
+    else:
+        redis_url = request.getfixturevalue("fault_redis").url
+        svc = launcher.start_service(redis_url, logs=artifacts, name=f"faults-{request.param}",
+                                     env={**FAULT_ENV, "COSYVOICE_ENGINE": request.param})
     yield svc
     svc.stop()
 
@@ -145,7 +160,7 @@ def redis_client_for():
     clients = []
 
     def make(service):
-        c = redis.Redis.from_url(service.redis_url)
+        c = busmod.connect(service.redis_url, blocking=False, cluster=_on_cluster(service))
         clients.append(c)
         return c
 
@@ -175,23 +190,48 @@ def test_killed_worker_mid_utterance_is_invisible_to_the_client(fault_service, r
 
 
 def _open_sessions(rds) -> list[str]:
-    return [f[b"sid"].decode() for _id, f in rds.xrange(keys.SESSIONS)]
+    return [f[b"sid"].decode() for _id, f in rds.xrange(busmod.Bus(rds).k.sessions)]
 
 
-def test_redis_outage_loses_nothing_and_service_resumes(fault_service, fault_redis, reference):
+def _on_cluster(service) -> bool:
+    return hasattr(service, "cluster")
+
+
+def test_redis_outage_loses_nothing_and_service_resumes(request, fault_service, reference,
+                                                        redis_client_for):
+    """One Redis: it stops and starts again. A cluster: the primary that holds the
+    session fails over to its replica (``CLUSTER FAILOVER``), and the session goes on."""
     down = threading.Event()
+    if _on_cluster(fault_service):
+        rds = redis_client_for(fault_service)
 
-    def outage():
-        fault_redis.stop(keep_data=True)
-        down.set()
-        # liveness stays up while Redis is gone
-        assert requests.get(fault_service.url + "/healthz", timeout=2).status_code == 200
-        time.sleep(1.5)
-        fault_redis.start()
+        def outage():
+            sid = _open_sessions(rds)[-1]  # the newest: this stream
+            primary = rds.get_node_from_key(keys.session_key(sid))
+            cluster = fault_service.cluster
+            replica = next(n for n in cluster.nodes if n.alive() and n.port != primary.port
+                           and n.client().info("replication").get("master_port")
+                           == primary.port)
+            replica.client().execute_command("CLUSTER", "FAILOVER")
+            down.set()
+            assert requests.get(fault_service.url + "/healthz", timeout=2).status_code == 200
+            wait_for(lambda: replica.client().info("replication")["role"] == "master",
+                     timeout=20)
+    else:
+        fault_redis = request.getfixturevalue("fault_redis")
+
+        def outage():
+            fault_redis.stop(keep_data=True)
+            down.set()
+            # liveness stays up while Redis is gone
+            assert requests.get(fault_service.url + "/healthz", timeout=2).status_code == 200
+            time.sleep(1.5)
+            fault_redis.start()
 
     result = stream_with(fault_service.url, outage, at_s=1.0)
     assert down.is_set()
-    assert any(e["code"] == "unavailable" for e in result.errors), "clients were told"
+    if not _on_cluster(fault_service):
+        assert any(e["code"] == "unavailable" for e in result.errors), "clients were told"
     assert strip(result.finals) == reference
     # and a brand-new session works afterwards
     after = StreamingClient(fault_service.url)
@@ -209,7 +249,11 @@ def test_a_lost_result_subscription_is_restored_and_missed_results_replayed(
     killed = []
 
     def kill_subscribers():
-        killed.append(rds.client_kill_filter(_type="pubsub"))
+        if _on_cluster(fault_service):  # every node's
+            killed.append(sum(n.client().client_kill_filter(_type="pubsub")
+                              for n in fault_service.cluster.nodes if n.alive()))
+        else:
+            killed.append(rds.client_kill_filter(_type="pubsub"))
 
     # twice: once mid-utterance, once around the first final
     timers = [threading.Timer(t, kill_subscribers) for t in (1.2, 2.2)]
