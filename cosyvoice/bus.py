@@ -122,10 +122,33 @@ def connect(url: str, max_connections: int = 512, blocking: bool = True,
                                       **pool_kwargs)
         client: Any = RedisCluster(startup_nodes=nodes, connection_pool_class=node_pool,
                                    health_check_interval=30, max_connections=max_connections)
+        _count_redirections(client)
         return client
     pool = pool_cls.from_url(url, health_check_interval=30, **kwargs)
     pool.connection_class = _single_write(pool.connection_class)
     return redis.Redis(connection_pool=pool)
+
+
+def _count_redirections(client: Any) -> None:
+    """Count, in ``cosyvoice_redis_cluster_redirections``, each slot a node redirected
+    (redis-py then moves the slot in its map: ``slot_moved``) and each time redis-py reads
+    the cluster's layout again (``topology``: at start, after repeated redirections, and
+    after a node failed)."""
+    from . import metrics  # not at import: the metrics directory is chosen first
+
+    manager = client.nodes_manager
+    move_slot, initialize = manager.move_slot, manager.initialize
+
+    def counted_move(error: Any) -> Any:
+        metrics.REDIS_REDIRECTIONS.labels("slot_moved").inc()
+        return move_slot(error)
+
+    def counted_initialize(*args: Any, **kwargs: Any) -> Any:
+        metrics.REDIS_REDIRECTIONS.labels("topology").inc()
+        return initialize(*args, **kwargs)
+
+    manager.move_slot = counted_move
+    manager.initialize = counted_initialize
 
 
 class Bus:

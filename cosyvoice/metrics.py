@@ -72,10 +72,15 @@ DECODE_BUSY = Gauge(
 
 REDIS_ERRORS = Counter(
     "cosyvoice_redis_errors", "Redis operations that failed (unreachable, timeout, error)")
+REDIS_REDIRECTIONS = Counter(
+    "cosyvoice_redis_cluster_redirections",
+    "Redis Cluster: a slot answered from another node (MOVED or ASK: slot_moved), or the "
+    "cluster's layout read again (topology)", ["kind"])
 
-GATEWAY_METRICS = (SESSIONS_ACTIVE, CHUNKS_ACCEPTED, CHUNKS_REJECTED, ACK_SECONDS, REDIS_ERRORS)
+GATEWAY_METRICS = (SESSIONS_ACTIVE, CHUNKS_ACCEPTED, CHUNKS_REJECTED, ACK_SECONDS, REDIS_ERRORS,
+                   REDIS_REDIRECTIONS)
 WORKER_METRICS = (DECODE_LAG, WORKER_SESSIONS, WORKER_CAPACITY, DECODE_WAIT, DECODE_BUSY,
-                  REDIS_ERRORS)
+                  REDIS_ERRORS, REDIS_REDIRECTIONS)
 
 for _code in ERROR_CODES:
     CHUNKS_REJECTED.labels(_code)  # every code is exported from the start, at 0

@@ -86,3 +86,48 @@ def test_a_primary_that_lost_its_scripts_gets_them_again(bus, cluster):
     _flush_scripts(cluster)
     assert bus.publish_results("s", [_final("again")], 60)
     assert "again" in bus.results_after("s")[0][1]
+
+
+def _move_slot(cluster, key: str) -> tuple[int, int]:
+    """Move ``key``'s slot, keys and all, to another primary, as a resharding does
+    (``CLUSTER SETSLOT`` ... ``MIGRATE``); (from port, to port)."""
+    client = cluster.client()
+    slot = client.keyslot(key)
+    source = client.get_node_from_key(key)
+    primaries = {n.port: n for n in cluster.primaries()}
+    src = primaries[source.port].client()
+    dst_port = next(p for p in primaries if p != source.port)
+    dst = primaries[dst_port].client()
+    src_id = src.execute_command("CLUSTER", "MYID").decode()
+    dst_id = dst.execute_command("CLUSTER", "MYID").decode()
+    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    while keys_in := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+        src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "KEYS", *keys_in)
+    for node in primaries.values():
+        node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    client.close()
+    return source.port, dst_port
+
+
+def test_a_session_whose_slot_moved_goes_on_and_the_redirection_is_counted(bus, cluster):
+    from prometheus_client import REGISTRY
+
+    def moved() -> float:
+        return REGISTRY.get_sample_value("cosyvoice_redis_cluster_redirections_total",
+                                         {"kind": "slot_moved"}) or 0.0
+
+    bus.create_session("m", 16000)
+    bus.announce("m")
+    [first] = bus.append_chunks([("m", 0, encode_chunk(b"\0" * 640, 0), 16000, False)])
+    assert first.status == busmod.AppendStatus.APPENDED
+    before = moved()
+    src, dst = _move_slot(cluster, keys.session_key("m"))
+    assert src != dst
+    # the client's slot map still names the old node: it is redirected, once
+    [second] = bus.append_chunks([("m", 1, encode_chunk(b"\0" * 640, 1), 16000, False)])
+    assert second.status == busmod.AppendStatus.APPENDED and second.next_seq == 2
+    assert moved() > before
+    entries = bus.read_audio({"m": "0-0"}, 5, None)["m"]
+    assert len(entries) == 2
+    assert bus.r.get_node_from_key(keys.session_key("m")).port == dst

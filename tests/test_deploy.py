@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
+import yaml
 
 from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.protocol import encode_chunk
@@ -138,6 +139,29 @@ def test_compose_file_passes_docker_compose_config():
     proc = subprocess.run([*_compose_cli(), "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_cluster_variant_runs_every_process_on_the_cluster():
+    """docker-compose.cluster.yml over docker-compose.yml: six cluster nodes, the one-shot
+    service that forms the cluster, and every gateway and worker on the cluster, after it
+    is formed. (Checked as docker compose reads it; no Docker daemon runs here.)"""
+    proc = subprocess.run([*_compose_cli(), "-f", str(ROOT / "docker-compose.yml"), "-f",
+                           str(ROOT / "docker-compose.cluster.yml"), "config"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    nodes = ["redis", *(f"redis-{i}" for i in range(2, 7))]
+    for node in nodes:
+        assert "--cluster-enabled" in services[node]["command"], node
+    assert "--cluster-replicas 1" in " ".join(services["redis-cluster"]["command"])
+    for name in ("gateway-1", "gateway-2", "worker"):
+        env = services[name]["environment"]
+        assert env["COSYVOICE_REDIS_CLUSTER"] == "true", name
+        assert env["COSYVOICE_REDIS_URL"].split(",") == [f"redis://{n}:6379" for n in nodes]
+        assert services[name]["depends_on"]["redis-cluster"]["condition"] \
+            == "service_completed_successfully"
+    assert services["gateway-1"]["command"] == GATEWAY_COMMAND
+    assert services["worker"]["command"] == WORKER_COMMAND
 
 
 def test_nginx_accepts_the_rendered_config(stack):
