@@ -167,6 +167,7 @@ class Bus:
         self._renew = client.register_script(scripts.RENEW)
         self._release = client.register_script(scripts.RELEASE)
         self._resume = client.register_script(scripts.RESUME)
+        self._note_announcement = client.register_script(scripts.NOTE_ANNOUNCEMENT)
         self._release_conn = client.register_script(scripts.RELEASE_CONN)
         self._slot = client.register_script(scripts.SLOT)
         self._live = client.register_script(scripts.LIVE_WORKERS)
@@ -200,15 +201,20 @@ class Bus:
         if int(reply[0]) != 1:
             return Admission(False, None, int(reply[1]), int(reply[2]))
         announcement = reply[1].decode()
-        self.r.hset(session_key(sid), "announcement", announcement)
+        self._note(sid, announcement)
         return Admission(True, announcement, None, int(reply[2]))
 
     def announce(self, sid: str) -> str:
         """Announce a session whatever the capacity: a hand-over, or a test's setup."""
         announcement = text(self.r.xadd(self.k.sessions, {"sid": sid}, maxlen=SESSIONS_MAXLEN,
                                         approximate=True))
-        self.r.hset(session_key(sid), "announcement", announcement)
+        self._note(sid, announcement)
         return announcement
+
+    def _note(self, sid: str, announcement: str) -> None:
+        """Record the announcement in the session's hash, unless the session is gone by
+        now (its announcement then names nothing: the worker that gets it acks it)."""
+        self._note_announcement(keys=[session_key(sid)], args=[announcement])
 
     def open_sessions(self) -> int:
         """Sessions announced and not yet ended (claimed or waiting for a worker)."""
@@ -354,8 +360,10 @@ class Bus:
         pipe.execute()
 
     def reannounce(self, sid: str, old_msg_id: str) -> None:
-        """Hand a session to the next free worker at once (graceful shutdown)."""
-        self.announce(sid)
+        """Hand a session to the next free worker at once (graceful shutdown), unless it
+        ended meanwhile."""
+        if self.r.exists(session_key(sid)):
+            self.announce(sid)
         pipe = self.r.pipeline(transaction=False)
         pipe.xack(self.k.sessions, WORKER_GROUP, old_msg_id)
         pipe.xdel(self.k.sessions, old_msg_id)

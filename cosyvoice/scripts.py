@@ -26,6 +26,7 @@ PUBLISH = source("publish")
 SPUBLISH = PUBLISH.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
 assert SPUBLISH.count("SPUBLISH") == 1
 RESUME = source("resume")
+NOTE_ANNOUNCEMENT = source("note_announcement")
 RELEASE_CONN = source("release_conn")
 SLOT = source("slot")
 # leases

@@ -289,7 +289,9 @@ class Worker:
             return
         info = self.bus.session_info(ann.sid)
         checkpoint = Checkpoint.from_json(info["checkpoint"]) if "checkpoint" in info else None
-        if not info or (checkpoint and checkpoint.done):
+        # a hash without its start rate is not a session a gateway created: nothing to
+        # decode (a late write after the session was deleted, from an older version)
+        if "start_rate" not in info or (checkpoint and checkpoint.done):
             self.bus.ack_announcement(ann.msg_id)
             return
         if not self.bus.take_lease(ann.sid, self.id, self.settings.lease_ttl_ms):

@@ -1,7 +1,8 @@
 """Admission control under a burst of connects, across several gateway processes.
 
 Real parts: two gunicorn gateway instances (the docker-compose command; one with two
-processes), a worker pool, the embedded redis-server. Each client is a plain WebSocket
+processes), a worker pool, the embedded redis-server, then a Redis Cluster of three
+primaries. Each client is a plain WebSocket
 Socket.IO client (tests/stack.py) in its own thread, all released at once.
 """
 
@@ -23,26 +24,35 @@ CAPACITY = 3
 GATEWAY_ENV = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0", "COSYVOICE_OVERLOAD_RETRY_MS": "1500"}
 
 
-@pytest.fixture(scope="module")
-def admission_service(tmp_path_factory, artifacts, module_redis):
+@pytest.fixture(scope="module", params=["redis", "cluster"])
+def admission_service(request, tmp_path_factory, artifacts):
+    """Two gateway instances and a worker pool on one Redis, then on the tests' Redis
+    Cluster (where admission's script runs on the primary of the control keys)."""
     workdir = tmp_path_factory.mktemp("admission")
     env = {**TEST_ENV, **GATEWAY_ENV}
+    if request.param == "cluster":
+        redis_url = request.getfixturevalue("cluster").url
+        env["COSYVOICE_REDIS_CLUSTER"] = "true"
+    else:
+        redis_url = request.getfixturevalue("module_redis").url
     parts: list[Gateway | WorkerPool] = []
     gateways: list[Gateway] = []
     try:
         for name, processes in (("gateway-1", 2), ("gateway-2", 1)):
-            gateways.append(launcher.start_gateway(module_redis.url, gunicorn=True,
+            gateways.append(launcher.start_gateway(redis_url, gunicorn=True,
                                                    processes=processes, env=env, logs=workdir,
                                                    name=name))
             parts.append(gateways[-1])
-        parts.append(launcher.start_worker_pool(module_redis.url, capacity=CAPACITY,
-                                                logs=workdir, name="worker"))
+        parts.append(launcher.start_worker_pool(
+            redis_url, capacity=CAPACITY, logs=workdir, name="worker",
+            env={"COSYVOICE_REDIS_CLUSTER": "true"} if request.param == "cluster" else None))
         yield [g.url for g in gateways]
     finally:
         launcher.stop(*(part.proc for part in parts))
         for part in parts:
             assert part.log is not None
-            (artifacts / f"admission-{part.log.name}").write_bytes(part.log.read_bytes())
+            (artifacts / f"admission-{request.param}-{part.log.name}").write_bytes(
+                part.log.read_bytes())
 
 
 def burst(urls: list[str], n: int) -> tuple[list[Stream], list[dict]]:

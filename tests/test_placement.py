@@ -43,7 +43,7 @@ def open_burst(url: str, n: int, gateways: int = 4) -> list[str]:
     start = threading.Barrier(gateways)
 
     def gateway(count: int) -> None:
-        client = redis.Redis.from_url(url)
+        client = busmod.connect(url, blocking=False, cluster="," in url)
         bus = busmod.Bus(client)
         start.wait()
         for _ in range(count):
@@ -95,21 +95,36 @@ def pid_of(worker_id: str) -> int:
     return int(worker_id.split("-")[-2])
 
 
-def test_sessions_spread_evenly_over_worker_processes(fresh_redis, fresh_redis_client,
-                                                      artifacts):
-    server, client = fresh_redis, fresh_redis_client
+@pytest.fixture(params=["redis", "cluster"])
+def backend(request):
+    """(Redis URL, client, the workers' settings): a Redis of the test's own, or the
+    tests' Redis Cluster, emptied afterwards."""
+    if request.param == "redis":
+        server = request.getfixturevalue("fresh_redis")
+        yield server.url, request.getfixturevalue("fresh_redis_client"), PLACEMENT_ENV
+        return
+    cluster = request.getfixturevalue("cluster")
+    client = busmod.connect(cluster.url, blocking=False, cluster=True)
+    yield cluster.url, client, {**PLACEMENT_ENV, "COSYVOICE_REDIS_CLUSTER": "true"}
+    client.close()
+    for node in cluster.primaries():
+        node.client().flushall()
+
+
+def test_sessions_spread_evenly_over_worker_processes(backend, artifacts):
+    url, client, env = backend
     bus = busmod.Bus(client)
     # three processes in two pools: one of two processes, one of one
     pools: list[subprocess.Popen] = []
     try:
         for name, processes in (("placement-a", 2), ("placement-b", 1)):
-            pools.append(launcher.start_worker_pool(server.url, processes=processes,
-                                                    capacity=CAPACITY, env=PLACEMENT_ENV,
+            pools.append(launcher.start_worker_pool(url, processes=processes,
+                                                    capacity=CAPACITY, env=env,
                                                     logs=artifacts, name=name).proc)
         wait_for(lambda: len(bus.live_workers()) == 3, timeout=30)
 
         # a burst of 10 sessions from four "gateways"
-        sessions = open_burst(server.url, 10)
+        sessions = open_burst(url, 10)
         counts = settled(client, sessions, 3)
         assert sorted(counts.values()) == [3, 3, 4], counts
 
@@ -121,7 +136,7 @@ def test_sessions_spread_evenly_over_worker_processes(fresh_redis, fresh_redis_c
             bus.delete_session(sid)  # what the gateway does on `stop`
         sessions = [sid for sid in sessions if sid not in ending]
         wait_for(lambda: placement(client, sessions) is not None, timeout=10)
-        sessions += open_burst(server.url, 3)
+        sessions += open_burst(url, 3)
         counts = settled(client, sessions, 3)
         assert spread(counts) <= 1, counts
 

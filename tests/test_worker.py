@@ -219,6 +219,38 @@ def test_an_engine_failure_ends_only_its_session_with_an_internal_error(fresh_re
     assert final_text(client, "good") == direct_decode(read_pcm("weather"), "pocketsphinx")
 
 
+@pytest.mark.fast
+def test_a_session_deleted_while_a_worker_hands_it_over_stays_deleted(fresh_redis,
+                                                                      fresh_redis_client):
+    """A draining worker may still hold a session that was just stopped: handing it over
+    must not bring its hash back (it came back holding only its announcement, and the
+    next worker to place it crashed on it)."""
+    from cosyvoice.asr import load_model
+    from cosyvoice.settings import Settings
+    from cosyvoice.worker import Worker
+
+    client = fresh_redis_client
+    bus = busmod.Bus(client)
+    bus.ensure_group()
+    bus.create_session("gone", 16000)
+    old = bus.announce("gone")
+    bus.delete_session("gone")
+    bus.reannounce("gone", old)
+    assert not client.exists(keys.session_key("gone")) and bus.open_sessions() == 0
+    # an announcement that outlives its session, and a stray hash from an older version
+    bus.create_session("late", 16000)
+    bus.delete_session("late")
+    bus.announce("late")
+    assert not client.exists(keys.session_key("late"))
+    client.hset(keys.session_key("stray"), "announcement", bus.announce("stray"))
+    worker = Worker(Settings(redis_url=fresh_redis.url),
+                    load_model("pocketsphinx", Settings()), client)
+    rounds_until(worker, lambda: bus.open_sessions() == 0, timeout=10)
+    assert worker.sessions == {}
+    write_session(bus, "good", read_pcm("weather"))
+    rounds_until(worker, lambda: ended(client, "good"), timeout=20)
+
+
 # ---- capacity (the engine's, calibrated, or following the decode scheduler) ------------
 
 
