@@ -63,15 +63,18 @@ def _lasting_keys(node: redis.Redis) -> int:
 
 def test_a_thousand_sessions_come_and_go_without_a_trace(churn_service):
     """Every node (one Redis, or each primary of a cluster) is back to the keys and the
-    memory it had before. "Before" is after 200 sessions: the first sessions grow a
-    cluster node's tables and buffers once, by 350-500 KB whether 1000 or 2000 sessions
-    follow (measured on Redis 7.0), where a leak would grow with the sessions."""
+    memory it had before. On a cluster "before" is after 200 sessions: the first sessions
+    grow a cluster node's tables and buffers once, by 350-500 KB whether 1000 or 2000
+    sessions follow (measured on Redis 7.0), where a leak would grow with the sessions.
+    One Redis is measured fresh, before any session."""
     service = churn_service
     nodes: list[redis.Redis] = service.nodes
     chunk = read_pcm("weather")[:6400]
     errors: list[Exception] = []
-    _churn(service, chunk, 50, errors)
-    wait_for(lambda: not any(session_keys_in(n) for n in nodes), timeout=30, interval=0.5)
+    if len(nodes) > 1:
+        _churn(service, chunk, 50, errors)
+        wait_for(lambda: not any(session_keys_in(n) for n in nodes), timeout=30,
+                 interval=0.5)
     before = [dataset_bytes(n) for n in nodes]
     idle_keys = [_lasting_keys(n) for n in nodes]
     _churn(service, chunk, 250, errors)
