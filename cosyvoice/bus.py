@@ -376,15 +376,9 @@ class Bus:
         """Renew every lease in one round trip; 1 kept, 0 lost, -1 session gone."""
         if not sids:
             return {}
-        if self.cluster:  # a cluster pipeline takes no Script: EVALSHA by hand
-            replies = self._evalsha_pipelined(self._renew, [
-                ([lease_key(sid), session_key(sid)], [worker_id, ttl_ms]) for sid in sids])
-            return {sid: int(_raised(r)) for sid, r in zip(sids, replies, strict=True)}
-        pipe = self.r.pipeline(transaction=False)
-        for sid in sids:
-            self._renew(keys=[lease_key(sid), session_key(sid)], args=[worker_id, ttl_ms],
-                        client=pipe)
-        return dict(zip(sids, (int(x) for x in pipe.execute()), strict=True))
+        replies = self._evalsha_pipelined(self._renew, [
+            ([lease_key(sid), session_key(sid)], [worker_id, ttl_ms]) for sid in sids])
+        return {sid: int(_raised(r)) for sid, r in zip(sids, replies, strict=True)}
 
     def release_lease(self, sid: str, worker_id: str) -> None:
         self._release(keys=[lease_key(sid)], args=[worker_id])
