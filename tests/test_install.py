@@ -29,7 +29,7 @@ from cosyvoice.embedded_redis import free_port
 
 from .helpers import FIXTURES, ROOT, direct_decode, fixture_texts, read_pcm, wer
 from .launcher import terminate, wait_for, wait_http
-from .test_locust import assert_clean, locust, stats
+from .test_locust import assert_clean, locust, short_speech, stats
 
 pytestmark = pytest.mark.e2e
 
@@ -167,7 +167,8 @@ def test_the_load_extra_runs_the_readme_locust_command(tmp_path, artifacts):
         wait_http(url + "/readyz", serve, timeout=60)
         prefix = artifacts / "install-locust"
         run = locust(url, prefix, seconds=6, users=2, utterances=1,
-                     python=str(venv / "bin" / "python"), env=env)
+                     python=str(venv / "bin" / "python"), env=env,
+                     speech=short_speech(tmp_path / "speech"))
         out, _ = run.communicate(timeout=120)
         assert run.returncode == 0, out
         assert_clean(stats(prefix))

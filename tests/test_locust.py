@@ -16,16 +16,29 @@ from .netfault import CuttableProxy
 pytestmark = pytest.mark.e2e
 
 MEASURES = ("connect", "ack", "chunk->partial", "last->final")
+# The short utterances: a session of them ends well within a short run's stop timeout, so
+# every user's first session counts. The default speech set also holds 21 s and 26 s
+# recordings, and a run whose users all drew those ended with no session finished.
+SHORT_SPEECH = ("weather", "coffee", "meeting", "call")
+
+
+def short_speech(directory: Path) -> str:
+    """A ``--speech`` glob over copies of the short fixtures in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in SHORT_SPEECH:
+        source = ROOT / "tests" / "fixtures" / f"{name}.wav"
+        (directory / f"{name}.wav").write_bytes(source.read_bytes())
+    return str(directory / "*.wav")
 
 
 def locust(host: str, prefix: Path, seconds: int, users: int, utterances: int,
-           python: str = sys.executable, env: dict | None = None):
+           python: str = sys.executable, env: dict | None = None, speech: str | None = None):
     """The headless command of docs/operations.md, from the checkout, with ``python``'s locust."""
     return subprocess.Popen(
         [python, "-m", "locust", "-f", str(ROOT / "locustfile.py"), "--headless",
          "--host", host, "-u", str(users), "-r", str(users), "-t", f"{seconds}s",
          "--stop-timeout", "30", "--utterances", str(utterances), "--csv", str(prefix),
-         "--only-summary"],
+         "--only-summary", *(["--speech", speech] if speech else [])],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
@@ -48,9 +61,11 @@ def assert_clean(rows: dict) -> None:
     assert not any(name.startswith("error") or name == "session" for name in rows), rows
 
 
-def test_locust_headless_run_reports_real_latencies_without_failures(service, artifacts):
+def test_locust_headless_run_reports_real_latencies_without_failures(service, artifacts,
+                                                                     tmp_path):
     prefix = artifacts / "locust"
-    run = locust(service.url, prefix, seconds=8, users=3, utterances=2)
+    run = locust(service.url, prefix, seconds=8, users=3, utterances=2,
+                 speech=short_speech(tmp_path / "speech"))
     out, _ = run.communicate(timeout=120)
     assert run.returncode == 0, out
     rows = stats(prefix)
