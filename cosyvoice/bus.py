@@ -414,6 +414,12 @@ class Bus:
             time.sleep(min(block_ms, CLUSTER_POLL_MS) / 1000)
         return out
 
+    def audio_up_to(self, sid: str, entry_id: str, count: int) -> list[tuple[str, bytes]]:
+        """Up to ``count`` audio entries of a session at or before ``entry_id``, newest
+        first (a worker's look back before a checkpoint)."""
+        reply: Any = self.r.xrevrange(audio_key(sid), entry_id, "-", count=count)
+        return [(mid.decode(), fields[b"pb"]) for mid, fields in reply or []]
+
     def _xrange(self, key: str, start: str,
                 count: int | None) -> list[tuple[str, dict[bytes, bytes]]]:
         """XRANGE to the end as this package's clients return it (RESP2, bytes)."""

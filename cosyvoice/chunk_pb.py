@@ -2,8 +2,19 @@
 # sources: chunk.proto
 # plugin: python-betterproto
 from dataclasses import dataclass
+from typing import List
 
 import betterproto
+
+
+class Codec(betterproto.Enum):
+    """
+    How a chunk's audio is encoded. Clients that predate Opus send PCM16 without
+    naming it (the default of a proto3 enum).
+    """
+
+    PCM16 = 0
+    OPUS = 1
 
 
 @dataclass
@@ -18,3 +29,6 @@ class AudioChunkProto(betterproto.Message):
     last: bool = betterproto.bool_field(3)
     sample_rate: int = betterproto.uint32_field(4)
     sent_ms: int = betterproto.uint64_field(5)
+    codec: "Codec" = betterproto.enum_field(6)
+    opus: List[bytes] = betterproto.bytes_field(7)
+    bitrate: int = betterproto.uint32_field(8)

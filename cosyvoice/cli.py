@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .asr import SESSION_MODES
+from .codecs import CODECS, OPUS, PCM16, parse_bitrate
 from .settings import Settings, SettingsError, _parse
 from .subtitles import FORMATS
 
@@ -95,6 +96,16 @@ def _positive(raw: str) -> float:
     return value
 
 
+def _bitrate(raw: str) -> int:
+    try:
+        value = parse_bitrate(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a bitrate above 0, got {raw!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _settings_parser()
     parser = argparse.ArgumentParser(prog="cosyvoice", description="Real-time speech to text.")
@@ -131,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not verify the server's TLS certificate")
     tr.add_argument("--mode", choices=SESSION_MODES, default=None,
                     help="where finals come from (the server's engine decides what it offers)")
+    tr.add_argument("--codec", choices=CODECS, default=PCM16,
+                    help="how the audio travels: pcm16 (raw 16-bit samples, about 270 "
+                         "kbit/s) or opus (20 ms Opus packets at --bitrate)")
+    tr.add_argument("--bitrate", type=_bitrate, default=None,
+                    help="Opus bitrate, e.g. 24k (one the server offers; default: its best)")
     model = sub.add_parser("model", parents=[common],
                            help="verify the Whisper model data and convert it once into the "
                                 "torch checkpoint the 2pass engine maps")
@@ -334,6 +350,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     from .subtitles import render
 
     fmt = _output_format(args)
+    if args.bitrate and args.codec != OPUS:
+        raise CliError(EXIT_USAGE, "--bitrate goes with --codec opus")
     try:
         pcm, rate = read_audio(sys.stdin.buffer if args.file == "-" else args.file)
     except AudioFileError as exc:
@@ -438,7 +456,8 @@ def _stream(args: argparse.Namespace, pcm: bytes, rate: int, show):
     try:
         return transcribe_pcm(args.url, pcm, rate, pace=args.pace, on_event=show,
                               timeout=args.timeout, token=args.token,
-                              ssl_verify=not args.insecure, mode=args.mode)
+                              ssl_verify=not args.insecure, mode=args.mode,
+                              codec=args.codec, bitrate=args.bitrate or 0)
     except Unreachable as exc:
         raise CliError(EXIT_UNREACHABLE, exc.msg) from None
     except Refused as exc:

@@ -26,9 +26,11 @@ from urllib.parse import urlsplit
 
 import socketio
 
+from . import codecs
 from .audio import split_chunks
+from .codecs import resample
 from .messages import EndEvent, ErrorEvent, TextEvent
-from .protocol import CHUNK_MS, NAMESPACE, encode_chunk
+from .protocol import CHUNK_MS, NAMESPACE, encode_chunk, encode_opus_chunk
 
 # Chunks sent and not yet acknowledged, at most.
 MAX_IN_FLIGHT = 64
@@ -185,9 +187,13 @@ class StreamingClient:
     def __init__(self, url: str, sample_rate: int = 16000,
                  on_event: Callable[[str, Mapping[str, Any]], None] | None = None,
                  headers: dict | None = None, reconnect: bool = True, token: str | None = None,
-                 ssl_verify: bool = True, mode: str | None = None):
+                 ssl_verify: bool = True, mode: str | None = None, codec: str = codecs.PCM16,
+                 bitrate: int = 0):
         self.url = url
         self.mode = mode
+        # codecs.OPUS: the audio goes as Opus packets at ``bitrate`` (0: the server's first)
+        self.codec = codec
+        self.bitrate = bitrate
         self.sample_rate = sample_rate
         self.on_event = on_event
         self.headers = headers or {}
@@ -223,6 +229,10 @@ class StreamingClient:
             auth["token"] = self.token
         if self.mode:
             auth["mode"] = self.mode
+        if self.codec != codecs.PCM16:
+            auth["codec"] = self.codec
+            if self.bitrate:
+                auth["bitrate"] = self.bitrate
         if self.result.session:
             auth["session"] = self.result.session
             if self._last_result:
@@ -356,6 +366,24 @@ class StreamingClient:
         """Send one chunk; with ``wait_ack`` block until the server acks it."""
         payload = encode_chunk(pcm, seq, last=last, sample_rate=sample_rate,
                                sent_ms=int(time.time() * 1000))
+        return self.send_payload(payload, seq, wait_ack, timeout)
+
+    def send_opus(self, packets: list[bytes], seq: int, last: bool = False,
+                  wait_ack: bool = False, timeout: float = 10.0) -> dict | None:
+        """Send one chunk of Opus packets, as ``send``."""
+        payload = encode_opus_chunk(packets, seq, bitrate=self._opus_bitrate(), last=last,
+                                    sent_ms=int(time.time() * 1000))
+        return self.send_payload(payload, seq, wait_ack, timeout)
+
+    def _opus_bitrate(self) -> int:
+        """The bitrate to encode at: the one asked for, else the server's best."""
+        offer = self.session_info.get("limits", {}).get("codecs", {}).get(codecs.OPUS, {})
+        return self.bitrate or self.session_info.get("bitrate") or (
+            offer.get("bitrates") or [codecs.DEFAULT_BITRATE])[0]
+
+    def send_payload(self, payload: bytes, seq: int, wait_ack: bool = False,
+                     timeout: float = 10.0) -> dict | None:
+        """Send one serialised chunk (``seq`` is its sequence number)."""
         with self._lock:
             self.sent_at[seq] = time.monotonic()
         if wait_ack:
@@ -377,8 +405,17 @@ class StreamingClient:
     def stream_pcm(self, pcm: bytes, rate: int, pace: str = "realtime",
                    reconnect_timeout: float = 20.0) -> None:
         """Send all of ``pcm`` as 200 ms chunks (the last with ``last=true``), resending
-        whatever the server asks for again, until the last chunk is acknowledged."""
-        chunks = split_chunks(pcm, rate)
+        whatever the server asks for again, until the last chunk is acknowledged.
+
+        With codec opus the whole recording is encoded first (resampled to 16 kHz if it
+        is not), and a resent chunk is sent again as it was encoded."""
+        opus: list[list[bytes]] = []
+        if self.codec == codecs.OPUS:
+            if rate != codecs.RATE:
+                pcm, rate = resample(pcm, rate, codecs.RATE), codecs.RATE
+            self.connect_wait(reconnect_timeout)
+            opus = codecs.opus_chunks(pcm, self._opus_bitrate())
+        chunks: list = opus or split_chunks(pcm, rate)
         start = time.monotonic()
         while not self._done.is_set():
             if not self._ready.wait(reconnect_timeout):
@@ -393,14 +430,22 @@ class StreamingClient:
                     continue
                 seq = self.window.take()
             try:
-                # the rate goes with the first chunk, and with any chunk after it changes
-                announce = seq == 0 or rate != self.session_info.get("sample_rate")
-                self.send(chunks[seq], seq, last=seq == len(chunks) - 1,
-                          sample_rate=rate if announce else 0)
+                last = seq == len(chunks) - 1
+                if opus:
+                    self.send_opus(opus[seq], seq, last=last)
+                else:
+                    # the rate goes with the first chunk, and with any chunk after it changes
+                    announce = seq == 0 or rate != self.session_info.get("sample_rate")
+                    self.send(chunks[seq], seq, last=last, sample_rate=rate if announce else 0)
             except socketio.exceptions.BadNamespaceError:
                 with self._lock:
                     self.window.rewind(seq, time.monotonic())
                 self._ready.clear()
+
+    def connect_wait(self, timeout: float) -> None:
+        """Wait for the session (raises ``Unreachable`` when it does not come)."""
+        if not self._ready.wait(timeout):
+            raise Unreachable("the connection was lost and not restored")
 
     def wait_end(self, timeout: float = 30.0) -> bool:
         """Wait for ``end`` (or a fatal error); True when the stream ended."""

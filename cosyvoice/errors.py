@@ -49,6 +49,14 @@ class UnsupportedMode(CosyvoiceError):
     code = "unsupported_mode"
 
 
+class UnsupportedCodec(CosyvoiceError):
+    code = "unsupported_codec"
+
+
+class BadPacket(CosyvoiceError):
+    code = "bad_packet"
+
+
 class RateLimited(CosyvoiceError):
     code = "rate_limited"
 
@@ -82,6 +90,7 @@ class Internal(CosyvoiceError):
 
 ERROR_CODES = tuple(
     cls.code
-    for cls in (BadChunk, TooLarge, SeqGap, UnsupportedRate, UnsupportedMode, RateLimited,
-                Overloaded, Unauthorized, SessionExpired, Unavailable, Internal)
+    for cls in (BadChunk, BadPacket, TooLarge, SeqGap, UnsupportedRate, UnsupportedMode,
+                UnsupportedCodec, RateLimited, Overloaded, Unauthorized, SessionExpired,
+                Unavailable, Internal)
 )

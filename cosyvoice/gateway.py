@@ -21,7 +21,7 @@ from flask_socketio import SocketIO
 from socketio.exceptions import ConnectionRefusedError as Refused
 
 from . import bus as busmod
-from . import metrics, tokens
+from . import codecs, metrics, tokens
 from .asr import ENGINES
 from .errors import (
     BadChunk,
@@ -79,14 +79,27 @@ def session_limits(settings: Settings) -> dict:
     """The limits a client is told in its ``session`` event."""
     return {"max_chunk_ms": settings.max_chunk_ms, "sample_rates": list(SUPPORTED_RATES),
             "grace_s": settings.session_grace_s, "max_session_s": settings.max_session_s,
-            "rate_limit_factor": settings.rate_limit_factor}
+            "rate_limit_factor": settings.rate_limit_factor,
+            "codecs": codec_offer(settings)}
+
+
+def codec_offer(settings: Settings) -> dict:
+    """What each codec the server accepts takes: PCM's rates, Opus's bitrates."""
+    offer: dict[str, dict] = {}
+    for codec in settings.accepted_codecs:
+        if codec == codecs.PCM16:
+            offer[codec] = {"sample_rates": list(SUPPORTED_RATES)}
+        elif codec == codecs.OPUS:
+            offer[codec] = {"sample_rate": codecs.RATE, "frame_ms": codecs.FRAME_MS,
+                            "bitrates": list(settings.opus_bitrate_list)}
+    return offer
 
 
 def session_event(conn: "Connection", resumed: bool, limits: dict) -> dict:
     """The ``session`` event that tells a client its session and where to go on."""
     return {"session": conn.session, "resumed": resumed, "next_seq": conn.next_seq,
             "sample_rate": conn.rate, "chunk_ms": CHUNK_MS, "mode": conn.mode,
-            "limits": limits}
+            "codec": conn.codec, "bitrate": conn.bitrate, "limits": limits}
 
 
 @dataclass
@@ -102,6 +115,8 @@ class Connection:
     created: float = field(default_factory=time.time)  # wall clock, for max_session_s
     stopped: bool = False
     mode: str = ""
+    codec: str = codecs.PCM16  # as the client asked (each chunk names its own)
+    bitrate: int = 0  # codec opus: the rung the client asked for
 
 
 
@@ -157,13 +172,15 @@ class Gateway:
         notices: list[CosyvoiceError] = []
         socket_id = current_socket_id()
         try:
-            req = parse_auth(auth, self.modes)
+            req = parse_auth(auth, self.modes, self.settings.accepted_codecs,
+                             self.settings.opus_bitrate_list)
             if self.settings.auth_secret:
                 tokens.verify(self.settings.auth_secret, req.token, self.settings.token_ttl_s)
             conn = self._resume(req, socket_id, notices) if req.session else None
             resumed = conn is not None
             if conn is None:
                 conn = self._open(req, socket_id)
+            conn.codec, conn.bitrate = self._codec(req)
         except CosyvoiceError as err:
             log.info("connection refused: %s", err.code, extra={"event": "refuse"})
             raise Refused(err.msg, err.to_wire()) from err
@@ -175,6 +192,15 @@ class Gateway:
         self.connections[socket_id] = conn
         gevent.spawn(self._welcome, socket_id, conn, resumed, notices)
         return True
+
+    def _codec(self, req: ConnectRequest) -> tuple[str, int]:
+        """The codec and bitrate a connection said it will send: what it asked for (already
+        checked against the offer), else PCM where the server takes it."""
+        accepted = self.settings.accepted_codecs
+        codec = req.codec or (codecs.PCM16 if codecs.PCM16 in accepted else accepted[0])
+        if codec != codecs.OPUS:
+            return codec, 0
+        return codec, req.bitrate or self.settings.opus_bitrate_list[0]
 
     def _welcome(self, socket_id: str, conn: Connection, resumed: bool,
                  notices: list[CosyvoiceError]) -> None:
@@ -271,10 +297,14 @@ class Gateway:
         try:
             if conn is None or conn.stopped:
                 raise SessionExpired("this connection has no active session")
-            chunk = decode_chunk(data, conn.rate, self.settings.max_chunk_ms)
+            chunk = decode_chunk(data, conn.rate, self.settings.max_chunk_ms,
+                                 self.settings.accepted_codecs)
             self._check_limits(conn, chunk)
             conn.rate = chunk.sample_rate
-            return self._store(conn, chunk, data)
+            ack = self._store(conn, chunk, data)
+            if "duplicate" not in ack:
+                metrics.count_audio(chunk.codec, len(data), chunk.duration_s)
+            return ack
         except CosyvoiceError as err:
             self._emit_error(err, socket_id)
             return error_ack(err)

@@ -7,7 +7,14 @@ import re
 import time
 from dataclasses import dataclass
 
-from .errors import CosyvoiceError, Unauthorized, UnsupportedMode, UnsupportedRate
+from .codecs import OPUS, PCM16
+from .errors import (
+    CosyvoiceError,
+    Unauthorized,
+    UnsupportedCodec,
+    UnsupportedMode,
+    UnsupportedRate,
+)
 from .protocol import SUPPORTED_RATES
 
 # Largest auth dict accepted, serialised as JSON.
@@ -26,11 +33,16 @@ class ConnectRequest:
     last_result: str | None = None
     network_hint: dict | None = None
     mode: str | None = None
+    codec: str | None = None
+    bitrate: int | None = None
 
 
-def parse_auth(auth, modes: tuple[str, ...] = ()) -> ConnectRequest:
-    """Validate the Socket.IO ``auth`` payload; raises ``Unauthorized``, ``UnsupportedRate``
-    or ``UnsupportedMode`` (a ``mode`` that is not one of ``modes``, the engine's offer).
+def parse_auth(auth, modes: tuple[str, ...] = (), codecs: tuple[str, ...] = (PCM16,),
+               bitrates: tuple[int, ...] = ()) -> ConnectRequest:
+    """Validate the Socket.IO ``auth`` payload; raises ``Unauthorized``, ``UnsupportedRate``,
+    ``UnsupportedMode`` (a ``mode`` that is not one of ``modes``, the engine's offer) or
+    ``UnsupportedCodec`` (a ``codec`` not in ``codecs``, or an Opus ``bitrate`` not in
+    ``bitrates``: the server's offer).
 
     Unknown keys are ignored (newer clients may send more); known keys must have the
     documented types.
@@ -61,7 +73,23 @@ def parse_auth(auth, modes: tuple[str, ...] = ()) -> ConnectRequest:
     mode = _optional_str(auth, "mode", 32)
     if mode is not None and mode not in modes:
         raise UnsupportedMode(f"mode must be one of {list(modes)} on this server")
-    return ConnectRequest(rate, token, session, last_result, hint, mode)
+    codec, bitrate = _codec(auth, codecs, bitrates)
+    return ConnectRequest(rate, token, session, last_result, hint, mode, codec, bitrate)
+
+
+def _codec(auth: dict, codecs: tuple[str, ...],
+           bitrates: tuple[int, ...]) -> tuple[str | None, int | None]:
+    """``auth.codec`` and ``auth.bitrate``, checked against the server's offer."""
+    codec = _optional_str(auth, "codec", 16)
+    if codec is not None and codec not in codecs:
+        raise UnsupportedCodec(f"codec must be one of {list(codecs)} on this server")
+    bitrate = auth.get("bitrate")
+    if bitrate is not None:
+        if codec != OPUS:
+            raise UnsupportedCodec("bitrate goes with codec opus")
+        if type(bitrate) is not int or bitrate not in bitrates:
+            raise UnsupportedCodec(f"bitrate must be one of {list(bitrates)} on this server")
+    return codec, bitrate
 
 
 def _optional_str(auth: dict, key: str, max_len: int) -> str | None:

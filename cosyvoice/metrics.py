@@ -29,6 +29,7 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import metrics_dir
+from .codecs import CODECS
 from .errors import ERROR_CODES
 
 # ---- gateway ----------------------------------------------------------------------------
@@ -44,6 +45,11 @@ CHUNKS_REJECTED = Counter(
 ACK_SECONDS = Histogram(
     "cosyvoice_chunk_ack_seconds", "From a chunk's arrival to its ack (stored in Redis)",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+AUDIO_BYTES = Counter(
+    "cosyvoice_audio_bytes", "Bytes of audio_chunk payloads stored, by codec", ["codec"])
+AUDIO_SECONDS = Counter(
+    "cosyvoice_audio_seconds", "Seconds of audio stored, by codec (bytes over seconds: "
+    "what a second of audio costs on the wire)", ["codec"])
 
 # ---- worker -----------------------------------------------------------------------------
 
@@ -67,6 +73,9 @@ DECODE_BUSY = Gauge(
     "cosyvoice_decode_busy_ratio",
     "whisper-live decode schedulers: fraction of the time decoding, added up over the "
     "pool's processes (at most one per process)", multiprocess_mode="livesum")
+OPUS_UNDECODABLE = Counter(
+    "cosyvoice_opus_packets_undecodable",
+    "Opus packets libopus refused in a worker, each decoded as silence of its length")
 
 # ---- both -------------------------------------------------------------------------------
 
@@ -77,15 +86,24 @@ REDIS_REDIRECTIONS = Counter(
     "Redis Cluster: a slot answered from another node (MOVED or ASK: slot_moved), or the "
     "cluster's layout read again (topology)", ["kind"])
 
-GATEWAY_METRICS = (SESSIONS_ACTIVE, CHUNKS_ACCEPTED, CHUNKS_REJECTED, ACK_SECONDS, REDIS_ERRORS,
-                   REDIS_REDIRECTIONS)
+GATEWAY_METRICS = (SESSIONS_ACTIVE, CHUNKS_ACCEPTED, CHUNKS_REJECTED, ACK_SECONDS, AUDIO_BYTES,
+                   AUDIO_SECONDS, REDIS_ERRORS, REDIS_REDIRECTIONS)
 WORKER_METRICS = (DECODE_LAG, WORKER_SESSIONS, WORKER_CAPACITY, DECODE_WAIT, DECODE_BUSY,
-                  REDIS_ERRORS, REDIS_REDIRECTIONS)
+                  OPUS_UNDECODABLE, REDIS_ERRORS, REDIS_REDIRECTIONS)
 
 for _code in ERROR_CODES:
     CHUNKS_REJECTED.labels(_code)  # every code is exported from the start, at 0
 for _result in ("stored", "duplicate"):
     CHUNKS_ACCEPTED.labels(_result)
+for _codec in CODECS:
+    AUDIO_BYTES.labels(_codec)
+    AUDIO_SECONDS.labels(_codec)
+
+
+def count_audio(codec: str, payload_bytes: int, seconds: float) -> None:
+    """One stored chunk: its payload's bytes and its audio's length, under its codec."""
+    AUDIO_BYTES.labels(codec).inc(payload_bytes)
+    AUDIO_SECONDS.labels(codec).inc(seconds)
 
 
 def counts_chunks(handler):

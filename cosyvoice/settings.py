@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from .asr import ENGINES, WHISPER_BACKENDS
+from .codecs import CODECS
 from .logs import is_level
 from .protocol import SUPPORTED_RATES
 
@@ -146,6 +147,12 @@ class Settings:
     max_chunk_ms: int = 1000
     # Sample rate of a session whose client names none.
     default_sample_rate: int = 16000
+    # Codecs the gateway accepts in a chunk, comma-separated: pcm16 (raw samples), opus
+    # (20 ms packets of 16 kHz speech, a seventh of PCM's bytes: docs/protocol.md).
+    codecs: str = "pcm16,opus"
+    # Opus bitrates (bit/s) a client may ask for in `auth.bitrate`, best first: the rungs
+    # whose accuracy cost was measured (docs/benchmarks.md, "Opus").
+    opus_bitrates: str = "32000,24000,16000,12000"
     # Connections one gateway process may open to Redis (redis-py stops at 100).
     redis_max_connections: int = 512
     # Longest utterance before a forced final, so long speech cannot stall a decoder.
@@ -215,6 +222,14 @@ class Settings:
         """These settings as environment variables, for child processes."""
         return {ENV_PREFIX + k.upper(): _format(v) for k, v in dataclasses.asdict(self).items()}
 
+    @property
+    def accepted_codecs(self) -> tuple[str, ...]:
+        return tuple(c.strip() for c in self.codecs.split(",") if c.strip())
+
+    @property
+    def opus_bitrate_list(self) -> tuple[int, ...]:
+        return tuple(int(b) for b in self.opus_bitrates.split(",") if b.strip())
+
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)
 
@@ -254,6 +269,13 @@ def _one_redis_url(url: str) -> bool:
     if parts.scheme == "unix":
         return bool(parts.path)
     return parts.scheme in ("redis", "rediss") and bool(parts.hostname)
+
+
+def _opus_bitrate(text: str) -> bool:
+    try:
+        return 6000 <= int(text) <= 128000
+    except ValueError:
+        return False
 
 
 def _at_least(low: float) -> tuple[Callable, str]:
@@ -304,6 +326,10 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "result_ttl_s": _at_least(1),
     "max_chunk_ms": _at_least(200),
     "default_sample_rate": _one_of(*SUPPORTED_RATES),
+    "codecs": (lambda v: bool(v.strip()) and all(c.strip() in CODECS for c in v.split(",")),
+               "codecs from " + ", ".join(CODECS) + ", comma-separated"),
+    "opus_bitrates": (lambda v: bool(v.strip()) and all(_opus_bitrate(b) for b in v.split(",")),
+                      "bitrates in bit/s from 6000 to 128000, comma-separated"),
     "redis_max_connections": _at_least(1),
     "max_utterance_s": _more_than(0),
     "endpoint_window_s": _more_than(0),

@@ -19,7 +19,7 @@ import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import redis
 
@@ -28,6 +28,9 @@ from . import finals, metrics, sweeper
 from .asr import Model, Stream, capacity_of
 from .asr.admission import Admission, Targets
 from .backoff import Backoff
+from .chunk_pb import AudioChunkProto, Codec
+from .codecs import RATE as OPUS_RATE
+from .codecs import OpusDecoder, packets_ms
 from .messages import (
     Checkpoint,
     Decoded,
@@ -70,6 +73,10 @@ ADMISSION_CEILING = 2
 # How long one XREAD waits while finals are being decoded: their results are published
 # between reads.
 FINALS_BLOCK_MS = 10
+# Opus audio decoded again before a checkpoint when a session is taken over (libopus
+# converges within about a second: tests/test_codecs.py), and entries per read of it
+OPUS_WARMUP_MS = 2000
+WARMUP_PAGE = 16
 
 
 def entry_results(session: str, entry_id: str, seq: int, last: bool,
@@ -112,6 +119,9 @@ class OwnedSession:
     # finals (and the end) waiting for the finals stage, in order
     pending: deque[finals.Pending] = field(default_factory=deque)
     ended: bool = False  # ``last`` consumed: nothing more to read, the end is pending
+    # The decoder of the stretch of Opus chunks being read (None on PCM): one per stretch,
+    # kept across bitrate changes, flushed when PCM follows or the stream ends
+    opus: OpusDecoder | None = None
 
 
 class Worker:
@@ -303,11 +313,52 @@ class Worker:
             rate = int(info["start_rate"])
             stream = self.model.stream(rate, mode=info.get("mode") or None)
             position, next_seq = "0-0", 0
-        self.sessions[ann.sid] = OwnedSession(
-            ann.sid, ann.msg_id, stream, position, next_seq, rate,
-            finals.Context(prompt=checkpoint.prompt if checkpoint else ""))
+        owned = OwnedSession(ann.sid, ann.msg_id, stream, position, next_seq, rate,
+                             finals.Context(prompt=checkpoint.prompt if checkpoint else ""))
+        if checkpoint:
+            owned.opus = self._warm_opus(ann.sid, checkpoint.id, checkpoint.seq)
+        self.sessions[ann.sid] = owned
         log.info("took session %s at seq %d", ann.sid, next_seq,
                  extra={"session": ann.sid, "event": "claim"})
+
+    def _warm_opus(self, sid: str, entry_id: str, seq: int) -> OpusDecoder | None:
+        """The Opus decoder the lost worker had after the checkpoint's entry, rebuilt.
+
+        Decoder state runs from packet to packet: a decoder started at the checkpoint
+        would decode the next second a little differently, and its finals could differ.
+        So the packets of the stretch before it (back to OPUS_WARMUP_MS, or to the PCM
+        chunk that began the stretch) are decoded again and the output discarded; libopus
+        and the resampler are bit-exact again well within that time (tests/test_codecs.py).
+        None when the checkpoint's entry is not Opus.
+        """
+        chunks: list[AudioChunkProto] = []
+        ms = 0.0
+        for msg in self._audio_back(sid, entry_id):
+            if msg.seq != seq:
+                continue  # a stale duplicate, which the lost worker skipped too
+            if msg.codec != Codec.OPUS:
+                break  # the stretch began after this chunk, with a fresh decoder
+            chunks.append(msg)
+            ms += packets_ms(msg.opus)
+            seq -= 1
+            if ms >= OPUS_WARMUP_MS:
+                break
+        if not chunks:
+            return None
+        decoder = OpusDecoder()
+        for msg in reversed(chunks):
+            decoder.decode(msg.opus)
+        return decoder
+
+    def _audio_back(self, sid: str, entry_id: str) -> Iterator[AudioChunkProto]:
+        """The session's stored chunks from ``entry_id`` back, newest first."""
+        upto = entry_id
+        while True:
+            page = self.bus.audio_up_to(sid, upto, WARMUP_PAGE)
+            yield from (parse_stored(pb) for _, pb in page)
+            if len(page) < WARMUP_PAGE:
+                return
+            upto = "(" + page[-1][0]  # exclusive: before the oldest one read
 
     # ---- decoding ---------------------------------------------------------------------
 
@@ -341,10 +392,7 @@ class Worker:
                 log.warning("session %s: skipping seq %d, expected %d", sid, msg.seq, s.next_seq)
                 s.position = entry_id
                 continue
-            if msg.sample_rate and msg.sample_rate != s.rate:
-                s.rate = msg.sample_rate
-                s.context = finals.Context()  # new audio: Whisper's context starts over
-            decoded = [*s.stream.feed(msg.pcm, s.rate)]
+            decoded = self._feed(s, msg)
             if msg.last:
                 decoded += s.stream.flush()
             results, checkpoint = entry_results(sid, entry_id, msg.seq, msg.last, decoded,
@@ -358,6 +406,28 @@ class Worker:
                 if not s.pending:
                     self._finish(s)
                 return
+
+    def _feed(self, s: OwnedSession, msg: AudioChunkProto) -> list[Decoded]:
+        """Feed one chunk's audio (PCM, or Opus decoded to 16 kHz) to the stream."""
+        decoded: list[Decoded] = []
+        if msg.codec == Codec.OPUS:
+            if s.opus is None:
+                s.opus = OpusDecoder()
+            errors = s.opus.errors
+            pcm, rate = s.opus.decode(msg.opus), OPUS_RATE
+            if msg.last:
+                pcm += s.opus.flush()
+            if s.opus.errors > errors:
+                metrics.OPUS_UNDECODABLE.inc(s.opus.errors - errors)
+        else:
+            if s.opus is not None:  # the Opus stretch ends: its last samples come first
+                decoded += s.stream.feed(s.opus.flush(), OPUS_RATE)
+                s.opus = None
+            pcm, rate = msg.pcm, msg.sample_rate or s.rate
+        if rate != s.rate:
+            s.rate = rate
+            s.context = finals.Context()  # new audio: Whisper's context starts over
+        return decoded + [*s.stream.feed(pcm, s.rate)]
 
     def _publish_entry(self, s: OwnedSession, entry_id: str, results: list[Decoded | End],
                        checkpoint: Checkpoint | None, last: bool) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import redis
 from flask import Flask
@@ -15,11 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cosyvoice import bus as busmod
-from cosyvoice import keys, tokens
+from cosyvoice import codecs, keys, tokens
+from cosyvoice.chunk_pb import AudioChunkProto
 from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.errors import ERROR_CODES, CosyvoiceError
 from cosyvoice.limits import TokenBucket, parse_auth
-from cosyvoice.protocol import NAMESPACE, decode_chunk, encode_chunk
+from cosyvoice.protocol import NAMESPACE, decode_chunk, encode_chunk, encode_opus_chunk
 from cosyvoice.settings import Settings
 from cosyvoice.webui import create_app
 
@@ -72,6 +74,10 @@ def send(client, payload):
     ({"token": ""}, "unauthorized"),
     ({"pad": "x" * 5000}, "unauthorized"),  # oversized
     ({"network_hint": "fast"}, "unauthorized"),
+    ({"codec": "speex"}, "unsupported_codec"),
+    ({"codec": "opus", "bitrate": 999}, "unsupported_codec"),
+    ({"codec": "opus", "bitrate": "24k"}, "unsupported_codec"),
+    ({"bitrate": 24000}, "unsupported_codec"),  # a bitrate without codec opus
 ])
 def test_malformed_auth_is_refused_with_its_code(app, auth, code):
     client = connect(app, auth=auth)
@@ -179,6 +185,92 @@ def test_session_length_is_limited(module_redis, module_redis_client):
     c.disconnect(NAMESPACE)
 
 
+# ---- codecs ------------------------------------------------------------------------------
+
+def _opus(seconds: float = 1.0) -> list[list[bytes]]:
+    """Chunks of Opus packets of a tone (the encoder needs no speech to make packets)."""
+    t = np.arange(int(16000 * seconds)) / 16000
+    tone = (3000 * np.sin(2 * np.pi * 440 * t)).astype("<i2").tobytes()
+    return codecs.opus_chunks(tone, 24000)
+
+
+def _session(client) -> dict:
+    return [e for e in received(client) if e["name"] == "session"][0]["args"][0]
+
+
+def test_the_session_event_offers_the_codecs_and_echoes_the_choice(app):
+    c = connect(app, auth={"codec": "opus", "bitrate": 16000})
+    session = _session(c)
+    assert (session["codec"], session["bitrate"]) == ("opus", 16000)
+    offer = session["limits"]["codecs"]
+    assert offer["pcm16"] == {"sample_rates": [8000, 16000, 48000]}
+    assert offer["opus"] == {"sample_rate": 16000, "frame_ms": 20,
+                             "bitrates": list(Settings().opus_bitrate_list)}
+    c.disconnect(NAMESPACE)
+    plain = connect(app)
+    session = _session(plain)
+    assert (session["codec"], session["bitrate"]) == ("pcm16", 0)
+    plain.disconnect(NAMESPACE)
+
+
+def test_opus_chunks_are_stored_and_a_bad_packet_loses_nothing(app, module_redis_client):
+    c = connect(app, auth={"codec": "opus"})
+    sid = _session(c)["session"]
+    chunks = _opus()
+    acks = [send(c, encode_opus_chunk(chunk, seq, bitrate=24000))
+            for seq, chunk in enumerate(chunks[:3])]
+    assert acks == [{"seq": s} for s in range(3)]
+    # framing that cannot be (a code 3 packet without its frame count), then no audio
+    for bad in ([chunks[3][0], b"\x03"], []):
+        assert send(c, encode_opus_chunk(bad, 3, bitrate=24000)) in (
+            {"error": "bad_packet", "seq": 3}, {"error": "bad_chunk", "seq": 3})
+    errors = [e["args"][0] for e in received(c) if e["name"] == "error"]
+    assert [e["code"] for e in errors] == ["bad_packet", "bad_chunk"]
+    assert "Opus packet 1" in errors[0]["msg"]
+    assert module_redis_client.xlen(keys.audio_key(sid)) == 3, "nothing accepted was lost"
+    # the session goes on: the chunk again, well formed, and the next one
+    assert send(c, encode_opus_chunk(chunks[3], 3, bitrate=24000)) == {"seq": 3}
+    assert send(c, encode_opus_chunk(chunks[4], 4, bitrate=24000, last=True)) == {"seq": 4}
+    assert module_redis_client.xlen(keys.audio_key(sid)) == 5
+    c.disconnect(NAMESPACE)
+
+
+def test_a_codec_the_server_does_not_take_is_refused(module_redis, module_redis_client):
+    pcm_only = make_app(module_redis, module_redis_client, rate_limit_factor=0,
+                        max_sessions_per_client=0, codecs="pcm16")
+    refused = connect(pcm_only, auth={"codec": "opus"})
+    assert refused.refusal["code"] == "unsupported_codec"
+    c = connect(pcm_only)
+    session = _session(c)
+    assert list(session["limits"]["codecs"]) == ["pcm16"]
+    sid = session["session"]
+    assert send(c, encode_opus_chunk(_opus()[0], 0, bitrate=24000)) == {
+        "error": "unsupported_codec", "seq": 0}
+    assert send(c, encode_chunk(CHUNK, 0)) == {"seq": 0}
+    assert module_redis_client.xlen(keys.audio_key(sid)) == 1
+    c.disconnect(NAMESPACE)
+
+
+def test_an_unknown_codec_number_is_unsupported_codec():
+    payload = bytes(AudioChunkProto(pcm=CHUNK, seq=4)) + bytes([0x30, 0x07])  # codec = 7
+    with pytest.raises(CosyvoiceError) as raised:
+        decode_chunk(payload, 16000, 1000)
+    assert (raised.value.code, raised.value.seq) == ("unsupported_codec", 4)
+
+
+def test_opus_audio_counts_against_the_rate_limit_by_its_length(module_redis,
+                                                                module_redis_client):
+    app = make_app(module_redis, module_redis_client, rate_limit_factor=1.0,
+                   rate_limit_burst_s=1.0)
+    c = connect(app, auth={"codec": "opus"})
+    chunks = _opus(2.0)
+    acks = [send(c, encode_opus_chunk(chunk, seq, bitrate=24000))
+            for seq, chunk in enumerate(chunks[:6])]
+    # one second of burst: five 200 ms chunks of a seventh of PCM's bytes each
+    assert acks == [{"seq": s} for s in range(5)] + [{"error": "rate_limited", "seq": 5}]
+    c.disconnect(NAMESPACE)
+
+
 def test_unknown_events_get_an_error_and_the_connection_stays(app):
     c = connect(app)
     received(c)
@@ -210,6 +302,10 @@ protobuf_like = st.one_of(
               st.sampled_from([0, 8000, 16000, 48000, 44100, 1, 2**32 - 1]),
               st.integers(0, 2**64 - 1)),
     st.builds(lambda a, b: a + b, st.binary(max_size=20), st.binary(max_size=20)),
+    st.builds(lambda packets, seq, last, rate: encode_opus_chunk(packets, seq, bitrate=rate,
+                                                                 last=last),
+              st.lists(st.binary(max_size=80), max_size=12), st.integers(0, 2**32 - 1),
+              st.booleans(), st.integers(0, 2**32 - 1)),
 )
 
 
@@ -225,6 +321,8 @@ def test_fuzz_chunk_validator_only_raises_documented_errors(payload):
     assert isinstance(chunk.pcm, bytes) and len(chunk.pcm) % 2 == 0
     assert chunk.sample_rate in (8000, 16000, 48000)
     assert len(chunk.pcm) <= chunk.sample_rate * 2
+    assert 0 <= chunk.audio_ms <= 1000
+    assert chunk.codec == "pcm16" or (not chunk.pcm and chunk.sample_rate == 16000)
 
 
 json_values = st.recursive(
@@ -246,6 +344,8 @@ auth_values = st.one_of(
         "last_result": st.one_of(st.from_regex(r"\A\d{1,13}-\d{1,3}\Z"), json_values),
         "token": json_values,
         "network_hint": json_values,
+        "codec": st.one_of(st.sampled_from(["pcm16", "opus"]), json_values),
+        "bitrate": st.one_of(st.sampled_from([16000, 24000, 32000]), json_values),
     }))
 
 

@@ -21,11 +21,13 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
+import requests
 from playwright.sync_api import ConsoleMessage, Page, ViewportSize, expect, sync_playwright
 
 from cosyvoice import keys, tokens
 from cosyvoice.client import StreamingClient
 from cosyvoice.embedded_redis import free_port
+from cosyvoice.settings import Settings
 
 from . import launcher
 from .helpers import FIXTURES, TEST_ENV, fixture_texts, phase_bound, read_pcm, wer
@@ -145,9 +147,12 @@ def test_speech_into_the_page_microphone_shows_its_transcript(service, artifacts
         seen = page.evaluate("window.__seen")
         latency = page.locator("#latency").inner_text()
         connection = page.locator("#connection").inner_text()
+        audio = page.locator("#audio").inner_text()
 
     print(f"{name}: page WER {wer(TEXTS[name], text):.3f}, bound {bound(name):.3f}, "
-          f"latency {latency}: {text!r}")
+          f"latency {latency}, {audio}: {text!r}")
+    # Chromium's WebCodecs encodes Opus: the page sends it at the server's best bitrate
+    assert audio.endswith(f"Opus {Settings().opus_bitrate_list[0] // 1000} kbit/s"), audio
     assert wer(TEXTS[name], text) <= bound(name), (text, TEXTS[name])
     kinds = [kind for kind, _text in seen]
     assert "partial" in kinds and "final" in kinds, seen
@@ -156,6 +161,36 @@ def test_speech_into_the_page_microphone_shows_its_transcript(service, artifacts
     assert connection == "Not connected"
     assert observed.console_errors == []
     observed.assert_stayed_local()
+
+
+def _stored_audio_s(url: str) -> dict[str, float]:
+    text = requests.get(url + "/metrics", timeout=10).text
+    return {codec: float(v) for codec, v in re.findall(
+        r'^cosyvoice_audio_seconds_total\{codec="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_the_page_sends_pcm_when_its_address_asks(service, tmp_path):
+    """``?codec=pcm16``: the microphone's audio goes as PCM (what the page does where the
+    browser has no WebCodecs Opus encoder or the server offers no Opus), and the gateway
+    stores PCM, not Opus."""
+    wav = tmp_path / "coffee.wav"
+    duration = padded_wav(read_pcm("coffee"), wav)
+    before = _stored_audio_s(service.url)
+    with browser_page({"width": 900, "height": 760}, wav) as (page, observed):
+        page.goto(service.url + "/?codec=pcm16")
+        page.get_by_role("button", name="Start").click()
+        started = time.monotonic()
+        expect(page.locator("#connection")).to_contain_text("Connected")
+        expect(page.locator("#audio")).to_contain_text("PCM")
+        wait_until_played(started, duration)
+        page.get_by_role("button", name="Stop").click()
+        expect(page.locator("#record")).to_have_text("Start", timeout=30_000)
+        text = page.locator("#finals").inner_text()
+    after = _stored_audio_s(service.url)
+    assert wer(TEXTS["coffee"], text) <= bound("coffee"), text
+    assert after["pcm16"] - before["pcm16"] >= duration - 1.5
+    assert after["opus"] == before["opus"]
+    assert observed.console_errors == []
 
 
 def test_page_works_by_keyboard_alone_at_phone_width(service, artifacts, tmp_path):

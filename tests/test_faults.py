@@ -86,9 +86,9 @@ def reference(fault_service):
     return strip(client.result.finals)
 
 
-def stream_with(service_url, fault, at_s: float, pace="realtime"):
+def stream_with(service_url, fault, at_s: float, pace="realtime", **client_args):
     """Stream the speech in real time and inject ``fault`` after ``at_s`` seconds."""
-    client = StreamingClient(service_url)
+    client = StreamingClient(service_url, **client_args)
     client.connect()
     timer = threading.Timer(at_s, fault)
     timer.start()
@@ -112,6 +112,24 @@ def test_dropped_connection_resumes_the_same_session(fault_service, reference):
     assert result.resumes == 1
     assert strip(result.finals) == reference
     assert len({f["utterance"] for f in result.finals}) == len(result.finals)
+
+
+# The codec is the same on every Redis: the Opus cases run on one Redis, with both engines.
+ONE_REDIS = pytest.mark.parametrize("fault_service", ["whisper-live", "pocketsphinx"],
+                                    indirect=True)
+
+
+@ONE_REDIS
+def test_a_dropped_opus_session_resumes_and_resends_its_packets(fault_service, opus_reference):
+    """What was not acknowledged before the drop goes again as it was encoded."""
+    port = int(fault_service.url.rsplit(":", 1)[1])
+    proxy = CuttableProxy(port)
+    try:
+        result = stream_with(proxy.url, proxy.cut, at_s=2.5, codec="opus", bitrate=24000)
+    finally:
+        proxy.close()
+    assert result.resumes == 1
+    assert strip(result.finals) == opus_reference
 
 
 def test_results_published_while_disconnected_are_replayed(fault_service, redis_client_for):
@@ -186,6 +204,39 @@ def test_killed_worker_mid_utterance_is_invisible_to_the_client(fault_service, r
     assert strip(result.finals) == reference
     assert [f["utterance"] for f in result.finals] == [0, 1]
     # the pool replaced the killed process
+    wait_for(lambda: len(busmod.Bus(rds).live_workers()) >= 2, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def opus_reference(fault_service):
+    """The speech as Opus at 24 kbit/s, without a fault."""
+    client = StreamingClient(fault_service.url, codec="opus", bitrate=24000)
+    client.connect()
+    client.stream_pcm(speech(), 16000, pace="fast")
+    assert client.wait_end(30)
+    client.stop()
+    client.close()
+    assert len(client.result.finals) == 2
+    return strip(client.result.finals)
+
+
+@ONE_REDIS
+def test_killed_worker_on_an_opus_session_is_invisible_to_the_client(
+        fault_service, opus_reference, redis_client_for):
+    """The next owner decodes the Opus audio before the checkpoint again (its decoder's
+    state), so its finals equal the lost worker's."""
+    rds = redis_client_for(fault_service)
+    killed = []
+
+    def kill_owner():
+        for owner in [rds.get(keys.lease_key(s)) for s in _open_sessions(rds)]:
+            if owner:
+                os.kill(int(owner.decode().split("-")[-2]), signal.SIGKILL)
+                killed.append(owner)
+
+    result = stream_with(fault_service.url, kill_owner, at_s=2.6, codec="opus", bitrate=24000)
+    assert killed, "a worker process was killed mid-stream"
+    assert strip(result.finals) == opus_reference
     wait_for(lambda: len(busmod.Bus(rds).live_workers()) >= 2, timeout=30)
 
 

@@ -52,6 +52,26 @@ def test_chunk_encoded_by_the_page_is_what_the_gateway_accepts():
     assert end.sent_ms == 2**52
 
 
+def test_an_opus_chunk_encoded_by_the_page_is_what_the_gateway_accepts():
+    """The packets themselves come from the browser's WebCodecs encoder
+    (tests/test_browser.py); here, their envelope."""
+    packets = [bytes([0x08]) + bytes([k]) * 30 for k in range(10)]  # ten 20 ms frames
+    script = f"""
+        import "./tests/js/page-globals.mjs";
+        import {{ encodeOpusChunk }} from "./cosyvoice/static/wire.mjs";
+        const opus = {json.dumps([list(p) for p in packets])}.map((p) => Uint8Array.from(p));
+        const bytes = encodeOpusChunk({{ opus, seq: 7, last: true, bitrate: 32000, sentMs: 5 }});
+        console.log(Buffer.from(bytes).toString("hex"));
+    """
+    proc = subprocess.run([NODE, "--input-type=module", "-e", script], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    chunk = decode_chunk(bytes.fromhex(proc.stdout.strip()), 8000, 1000)
+    assert (chunk.codec, chunk.opus, chunk.bitrate) == ("opus", tuple(packets), 32000)
+    assert (chunk.seq, chunk.last, chunk.sent_ms, chunk.audio_ms) == (7, True, 5, 200.0)
+    assert (chunk.pcm, chunk.sample_rate) == (b"", 16000)
+
+
 def test_the_pages_subtitles_are_the_command_lines():
     """The page's downloads (subtitles.mjs) and `cosyvoice transcribe --output-format`
     (cosyvoice/subtitles.py) cut the same cues from the same finals."""

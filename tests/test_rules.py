@@ -70,14 +70,18 @@ def test_a_refused_chunk_is_acked_with_its_code_and_seq_when_known():
 
 def test_the_session_event_says_where_to_go_on_and_the_limits():
     settings = Settings(max_chunk_ms=800, session_grace_s=5.0)
+    settings = settings.replace(opus_bitrates="24000,16000")
     conn = Connection(session="abc", rate=8000, conn_id="sock", client="1.2.3.4", bucket=None,
-                      next_seq=7, mode="pocketsphinx")
+                      next_seq=7, mode="pocketsphinx", codec="opus", bitrate=24000)
     event = session_event(conn, True, session_limits(settings))
     assert event == {"session": "abc", "resumed": True, "next_seq": 7, "sample_rate": 8000,
-                     "chunk_ms": 200, "mode": "pocketsphinx",
+                     "chunk_ms": 200, "mode": "pocketsphinx", "codec": "opus", "bitrate": 24000,
                      "limits": {"max_chunk_ms": 800, "sample_rates": [8000, 16000, 48000],
                                 "grace_s": 5.0, "max_session_s": 14400.0,
-                                "rate_limit_factor": 2.0}}
+                                "rate_limit_factor": 2.0,
+                                "codecs": {"pcm16": {"sample_rates": [8000, 16000, 48000]},
+                                           "opus": {"sample_rate": 16000, "frame_ms": 20,
+                                                    "bitrates": [24000, 16000]}}}}
 
 
 # ---- worker -------------------------------------------------------------------------------

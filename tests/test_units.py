@@ -13,7 +13,7 @@ from cosyvoice.asr import load_model
 from cosyvoice.asr.pocketsphinx_engine import clean_word
 from cosyvoice.asr.resample import StreamingResampler
 from cosyvoice.errors import BadChunk, TooLarge, UnsupportedRate
-from cosyvoice.protocol import Chunk, decode_chunk, encode_chunk
+from cosyvoice.protocol import Chunk, decode_chunk, encode_chunk, encode_opus_chunk
 from cosyvoice.settings import Settings
 
 from .helpers import (
@@ -90,7 +90,16 @@ def test_settings_are_frozen():
 def test_chunk_round_trip():
     pb = encode_chunk(b"\x01\x02" * 10, 7, last=True, sample_rate=48000, sent_ms=123)
     chunk = decode_chunk(pb, 16000, 1000)
-    assert chunk == Chunk(b"\x01\x02" * 10, 7, True, 48000, 123)
+    assert chunk == Chunk(b"\x01\x02" * 10, 7, True, 48000, 123, audio_ms=10 / 48)
+
+
+def test_opus_chunk_round_trip():
+    packets = [bytes([0x08]) + bytes(40)] * 10  # ten 20 ms SILK frames (framing only)
+    pb = encode_opus_chunk(packets, 3, bitrate=24000, sent_ms=5)
+    chunk = decode_chunk(pb, 8000, 1000)
+    assert chunk == Chunk(b"", 3, False, 16000, 5, codec="opus", opus=tuple(packets),
+                          bitrate=24000, audio_ms=200.0)
+    assert chunk.duration_s == 0.2
 
 
 def test_rate_zero_means_current_rate():

@@ -1,6 +1,7 @@
 // The browser page: Start/Stop, live transcript, connection state, latency, errors.
 
 import { Microphone } from "./microphone.mjs";
+import { OPUS_RATE, OpusChunker, opusSupported } from "./opus-encoder.mjs";
 import { RECONNECT_ATTEMPTS, SpeechStream } from "./stream.mjs";
 import { toSrt, toText, toVtt } from "./subtitles.mjs";
 import { TranscriptView } from "./transcript.mjs";
@@ -62,6 +63,16 @@ function pageToken() {
   return new URLSearchParams(globalThis.location.hash.slice(1)).get("token");
 }
 
+// The codec the page was asked for (`?codec=pcm16` or `?codec=opus`), if any.
+function pageCodec() {
+  return new URLSearchParams(globalThis.location.search).get("codec");
+}
+
+/** How the codec in use reads beside the rates: "Opus 32 kbit/s", or "PCM". */
+function codecName(bitrate) {
+  return bitrate ? `Opus ${bitrate / 1000} kbit/s` : "PCM";
+}
+
 // Codes whose message above says it all; other codes also show the server's words.
 const OWN_WORDS = new Set(["overloaded", "unauthorized", "session_expired"]);
 
@@ -86,6 +97,8 @@ class App {
     this.stream = null;
     this.errorShown = false;
     this.rate = INITIAL_RATE;
+    this.codecOffer = null; // the server's `limits.codecs`, from /config
+    this.encoder = null; // an OpusChunker while the microphone's audio goes as Opus
     this.modeChoice = $("mode-choice");
     this.modeSelect = $("mode");
     this.transcript = $("transcript");
@@ -132,6 +145,7 @@ class App {
     } catch {
       return; // the recording itself says what is wrong with the server
     }
+    this.codecOffer = config.limits?.codecs ?? null;
     const modes = config.modes ?? [];
     if (modes.length < 2) return;
     this.modeSelect.replaceChildren(...modes.map((m) => {
@@ -146,6 +160,16 @@ class App {
 
   mode() {
     return this.modeChoice.hidden ? null : this.modeSelect.value;
+  }
+
+  /** The Opus bitrate the microphone's audio goes at, or 0 for PCM: Opus where the
+   * server offers it and this browser's WebCodecs encodes it (at the server's first,
+   * best, bitrate), unless the page's address asks for `?codec=pcm16`. */
+  async opusBitrate() {
+    const asked = pageCodec();
+    const bitrate = this.codecOffer?.opus?.bitrates?.[0];
+    if (asked === "pcm16" || !bitrate) return 0;
+    return (await opusSupported(bitrate)) ? bitrate : 0;
   }
 
   async copy() {
@@ -251,10 +275,13 @@ class App {
     this.latency.textContent = "–";
     this.rate = INITIAL_RATE;
     this.errorShown = false;
-    const stream = new SpeechStream(this.streamHandlers(), { token: pageToken(), mode: this.mode() });
+    const bitrate = await this.opusBitrate();
+    const stream = new SpeechStream(this.streamHandlers(), { token: pageToken(), mode: this.mode(), bitrate });
     const mic = new Microphone((chunk) => this.onChunk(chunk));
     this.stream = stream;
     this.mic = mic;
+    this.encoder = bitrate ? new OpusChunker(bitrate, (chunk) => this.stream?.send(chunk)) : null;
+    if (bitrate) this.rate = OPUS_RATE;
     try {
       await mic.start(this.rate);
     } catch (err) {
@@ -269,7 +296,7 @@ class App {
         this.stop();
       }
     };
-    this.audio.textContent = `${kHz(this.rate)} · mic ${kHz(mic.deviceRate)}`;
+    this.audio.textContent = `${kHz(this.rate)} · mic ${kHz(mic.deviceRate)} · ${codecName(bitrate)}`;
     stream.open();
     this.setState("recording");
   }
@@ -285,6 +312,8 @@ class App {
     }
     this.setState("finishing");
     await mic.finish(); // the worklet's last chunk goes out through onChunk with last=true
+    await this.encoder?.finish(); // the encoder's last packets go out with last=true
+    this.encoder = null;
     await this.finish(stream, END_TIMEOUT_MS);
   }
 
@@ -301,13 +330,19 @@ class App {
   async close() {
     const { mic, stream } = this;
     this.mic = this.stream = null;
+    this.encoder = null;
     mic?.release();
     this.setState("idle");
     await stream?.close();
   }
 
   onChunk(chunk) {
-    this.stream?.send(chunk);
+    if (this.encoder) {
+      // the last PCM chunk is encoded too; the encoder's finish() sends `last`
+      this.encoder.encode(chunk.pcm);
+    } else {
+      this.stream?.send(chunk);
+    }
     this.showLevel(chunk.pcm);
   }
 
@@ -363,10 +398,11 @@ class App {
   }
 
   useRate(rate) {
+    if (this.encoder) return; // Opus is 16 kHz whatever the session's PCM rate
     this.rate = rate;
     this.mic?.setRate(rate);
     const device = this.mic?.deviceRate;
-    this.audio.textContent = device ? `${kHz(rate)} · mic ${kHz(device)}` : kHz(rate);
+    this.audio.textContent = device ? `${kHz(rate)} · mic ${kHz(device)} · PCM` : kHz(rate);
   }
 
   onRateSwitch(rate, reason, direction) {

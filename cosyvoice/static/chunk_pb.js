@@ -12,9 +12,17 @@
     
         var cosyvoice = {};
     
+        cosyvoice.Codec = (function() {
+            var valuesById = $Object.create(null), values = $Object.create(valuesById);
+            values[valuesById[0] = "PCM16"] = 0;
+            values[valuesById[1] = "OPUS"] = 1;
+            return values;
+        })();
+    
         cosyvoice.AudioChunkProto = (function() {
     
             var AudioChunkProto = function (properties) {
+                this.opus = [];
                 if (properties)
                     for (var keys = $Object.keys(properties), i = 0; i < keys.length; ++i)
                         if (properties[keys[i]] != null && keys[i] !== "__proto__")
@@ -26,6 +34,9 @@
             AudioChunkProto.prototype.last = false;
             AudioChunkProto.prototype.sample_rate = 0;
             AudioChunkProto.prototype.sent_ms = $util.Long ? $util.Long.fromBits(0,0,true) : 0;
+            AudioChunkProto.prototype.codec = 0;
+            AudioChunkProto.prototype.opus = $util.emptyArray;
+            AudioChunkProto.prototype.bitrate = 0;
     
             AudioChunkProto.create = function(properties) {
                 return new AudioChunkProto(properties);
@@ -48,6 +59,13 @@
                     writer.uint32(32).uint32(message.sample_rate);
                 if (message.sent_ms != null && $Object.hasOwnProperty.call(message, "sent_ms") && (typeof message.sent_ms === "object" ? message.sent_ms.low || message.sent_ms.high : message.sent_ms !== 0))
                     writer.uint32(40).uint64(message.sent_ms);
+                if (message.codec != null && $Object.hasOwnProperty.call(message, "codec") && message.codec !== 0)
+                    writer.uint32(48).int32(message.codec);
+                if (message.opus != null && message.opus.length)
+                    for (var i = 0; i < message.opus.length; ++i)
+                        writer.uint32(58).bytes(message.opus[i]);
+                if (message.bitrate != null && $Object.hasOwnProperty.call(message, "bitrate") && message.bitrate !== 0)
+                    writer.uint32(64).uint32(message.bitrate);
                 if (message.$unknowns != null && $Object.hasOwnProperty.call(message, "$unknowns"))
                     for (var i = 0; i < message.$unknowns.length; ++i)
                         writer.raw(message.$unknowns[i]);
@@ -124,6 +142,32 @@
                                 message.sent_ms = value;
                             else
                                 delete message.sent_ms;
+                            continue;
+                        }
+                    case 6: {
+                            if (wireType !== 0)
+                                break;
+                            if (value = reader.int32())
+                                message.codec = value;
+                            else
+                                delete message.codec;
+                            continue;
+                        }
+                    case 7: {
+                            if (wireType !== 2)
+                                break;
+                            if (!(message.opus && message.opus.length))
+                                message.opus = [];
+                            message.opus.push(reader.bytes());
+                            continue;
+                        }
+                    case 8: {
+                            if (wireType !== 0)
+                                break;
+                            if (value = reader.uint32())
+                                message.bitrate = value;
+                            else
+                                delete message.bitrate;
                             continue;
                         }
                     }

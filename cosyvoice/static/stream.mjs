@@ -1,7 +1,7 @@
 // One recording's conversation with the gateway over Socket.IO (namespace /ws): chunk
 // numbering, acks, reconnection with resume, results, end and stop.
 
-import { encodeChunk } from "./wire.mjs";
+import { encodeChunk, encodeOpusChunk } from "./wire.mjs";
 
 const NAMESPACE = "/ws";
 // Reconnection as a deployment tunes it: 5 attempts, starting 1 s apart (backing off to
@@ -23,15 +23,19 @@ const FATAL_CODES = new Set(["overloaded", "unauthorized"]);
  */
 export class SpeechStream {
   /** `token` is sent as `auth.token` when the service requires one; `mode` (one of the
-   * server's session modes) asks for a mode when the session is created. */
-  constructor(handlers, { token = null, mode = null } = {}) {
+   * server's session modes) asks for a mode when the session is created; `bitrate` says
+   * the audio goes as Opus at that bitrate (`auth.codec`, `auth.bitrate`). */
+  constructor(handlers, { token = null, mode = null, bitrate = 0 } = {}) {
     this.on = handlers;
     this.token = token;
     this.mode = mode;
+    this.bitrate = bitrate;
     this.socket = null;
     this.session = null; // {id, rate, chunkMs, limits} of the current session
     this.lastResultId = null; // id of the last result received, for resume
-    this.pending = []; // chunks not acked yet, in order: {pcm, sampleRate, last, seq, sent}
+    // chunks not acked yet, in order: {pcm, sampleRate, last, seq, sent}, or {opus,
+    // bitrate, last, seq, sent} (Opus packets, resent as they were encoded)
+    this.pending = [];
     this.nextSeq = 0;
     this.announcedRate = null; // rate last sent explicitly on this connection
     this.ready = false; // a `session` event arrived on the current connection
@@ -85,6 +89,10 @@ export class SpeechStream {
     } else if (this.mode) {
       auth.mode = this.mode;
     }
+    if (this.bitrate) {
+      auth.codec = "opus";
+      auth.bitrate = this.bitrate;
+    }
     return auth;
   }
 
@@ -123,7 +131,8 @@ export class SpeechStream {
     else this.on.state("reconnecting", 0);
   }
 
-  /** Queues one chunk ({pcm: Int16Array, sampleRate, last}) and sends what it can. */
+  /** Queues one chunk ({pcm: Int16Array, sampleRate, last}, or {opus: [Uint8Array],
+   * bitrate, last}) and sends what it can. */
   send(chunk) {
     this.pending.push({ ...chunk, seq: null, sent: false });
     this.pump();
@@ -134,10 +143,16 @@ export class SpeechStream {
     for (const c of this.pending) {
       if (c.sent) continue;
       if (c.seq === null) c.seq = this.nextSeq++;
-      // The first chunk on a connection and the first after a switch name their rate.
-      const sampleRate = c.sampleRate === this.announcedRate ? 0 : c.sampleRate;
-      this.announcedRate = c.sampleRate;
-      const payload = encodeChunk({ pcm: c.pcm, seq: c.seq, last: c.last, sampleRate, sentMs: Date.now() });
+      let payload;
+      if (c.opus) {
+        payload = encodeOpusChunk({ opus: c.opus, seq: c.seq, last: c.last, bitrate: c.bitrate, sentMs: Date.now() });
+        this.announcedRate = null; // PCM after Opus names its rate again
+      } else {
+        // The first chunk on a connection and the first after a switch name their rate.
+        const sampleRate = c.sampleRate === this.announcedRate ? 0 : c.sampleRate;
+        this.announcedRate = c.sampleRate;
+        payload = encodeChunk({ pcm: c.pcm, seq: c.seq, last: c.last, sampleRate, sentMs: Date.now() });
+      }
       this.sentAt.set(c.seq, performance.now());
       c.sent = true;
       this.socket.emit("audio_chunk", payload, () => this.acked(c));

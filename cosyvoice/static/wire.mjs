@@ -7,6 +7,9 @@ function messageType() {
   return type;
 }
 
+// The Codec enum of proto/chunk.proto
+const OPUS = 1;
+
 const LITTLE_ENDIAN = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
 
 /** Int16 samples as little-endian bytes, whatever the platform's byte order. */
@@ -26,6 +29,13 @@ export function encodeChunk({ pcm, seq, last = false, sampleRate = 0, sentMs = 0
   const message = { pcm: pcmBytes(pcm), seq, last, sample_rate: sampleRate, sent_ms: sentMs };
   const bytes = messageType().encode(message).finish();
   // The writer may hand out a view into a shared slab: copy out this message's bytes.
+  return bytes.byteOffset === 0 && bytes.byteLength === bytes.buffer.byteLength ? bytes : new Uint8Array(bytes);
+}
+
+/** Serialises one chunk of Opus packets (Uint8Arrays, 20 ms of 16 kHz audio each). */
+export function encodeOpusChunk({ opus, seq, last = false, bitrate = 0, sentMs = 0 }) {
+  const message = { codec: OPUS, opus, bitrate, seq, last, sent_ms: sentMs };
+  const bytes = messageType().encode(message).finish();
   return bytes.byteOffset === 0 && bytes.byteLength === bytes.buffer.byteLength ? bytes : new Uint8Array(bytes);
 }
 
