@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .asr import SESSION_MODES
-from .codecs import CODECS, OPUS, PCM16, parse_bitrate
+from .codecs import CODECS, OPUS, parse_bitrate
 from .settings import Settings, SettingsError, _parse
 from .subtitles import FORMATS
 
@@ -142,9 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not verify the server's TLS certificate")
     tr.add_argument("--mode", choices=SESSION_MODES, default=None,
                     help="where finals come from (the server's engine decides what it offers)")
-    tr.add_argument("--codec", choices=CODECS, default=PCM16,
+    tr.add_argument("--codec", choices=CODECS, default=None,
                     help="how the audio travels: pcm16 (raw 16-bit samples, about 270 "
-                         "kbit/s) or opus (20 ms Opus packets at --bitrate)")
+                         "kbit/s; the default) or opus (20 ms Opus packets at --bitrate); "
+                         "with --abr, where the session starts")
+    tr.add_argument("--abr", action="store_true",
+                    help="adaptive bitrate: start on the rung the server picks and switch "
+                         "codec and bitrate when it says the link calls for it")
     tr.add_argument("--bitrate", type=_bitrate, default=None,
                     help="Opus bitrate, e.g. 24k (one the server offers; default: its best)")
     model = sub.add_parser("model", parents=[common],
@@ -425,6 +429,11 @@ class _Display:
         elif event == "retry":
             print(f"the service is {data['code']}; trying again in {data['after_ms']} ms",
                   file=sys.stderr, flush=True)
+        elif event in ("switch_down", "switch_up"):
+            rung = (f"Opus {data.get('bitrate', 0) // 1000} kbit/s" if data.get("codec") == OPUS
+                    else "PCM")
+            why = "the link is slow" if event == "switch_down" else "the link has room"
+            print(f"{why}: now sending {rung}", file=sys.stderr, flush=True)
         elif event == "session" and data.get("resumed"):
             print(f"reconnected; resuming at chunk {data['next_seq']}", file=sys.stderr,
                   flush=True)
@@ -457,7 +466,7 @@ def _stream(args: argparse.Namespace, pcm: bytes, rate: int, show):
         return transcribe_pcm(args.url, pcm, rate, pace=args.pace, on_event=show,
                               timeout=args.timeout, token=args.token,
                               ssl_verify=not args.insecure, mode=args.mode,
-                              codec=args.codec, bitrate=args.bitrate or 0)
+                              codec=args.codec, bitrate=args.bitrate or 0, abr=args.abr)
     except Unreachable as exc:
         raise CliError(EXIT_UNREACHABLE, exc.msg) from None
     except Refused as exc:

@@ -15,6 +15,7 @@ and survives what a real network does to it:
 from __future__ import annotations
 
 import http.client
+import math
 import socket
 import ssl
 import threading
@@ -34,6 +35,10 @@ from .protocol import CHUNK_MS, NAMESPACE, encode_chunk, encode_opus_chunk
 
 # Chunks sent and not yet acknowledged, at most.
 MAX_IN_FLIGHT = 64
+# Chunks in flight for a client that follows switches (``abr``), beyond those its path's
+# own round trip holds: about a second, so the network's queue stays short and what waits
+# is sent at the rung in use when it goes.
+ABR_IN_FLIGHT = 5
 # Error codes after which the client rewinds and resends rather than giving up.
 RETRYABLE = {"unavailable", "rate_limited", "seq_gap"}
 RETRY_PAUSE_S = 0.5
@@ -119,18 +124,29 @@ def diagnose(url: str, ssl_verify: bool = True, timeout: float = 5.0) -> str | N
 class SendWindow:
     """Which chunk to send next, and when: the client's send rule, pure (no I/O, no clock
     of its own). Chunks ``acked`` and below are stored by the server; ``next`` is the
-    next one to send; at most ``MAX_IN_FLIGHT`` are sent and not acknowledged."""
+    next one to send; at most ``limit`` are sent and not acknowledged beyond the chunks
+    the path's shortest round trip seen so far holds (``min_rtt_s``): a 2 s round trip
+    holds ten 200 ms chunks before a single one queues."""
 
     next: int = 0
     acked: int = -1
     pause_until: float = 0.0
+    limit: int = MAX_IN_FLIGHT  # chunks sent and not acknowledged, beyond the round trip
+    min_rtt_s: float | None = None
 
     def start(self, next_seq: int) -> None:
         """A ``session`` event: the server has every chunk before ``next_seq``."""
         self.next, self.acked = next_seq, next_seq - 1
 
-    def ack(self, seq: int) -> None:
+    def ack(self, seq: int, rtt_s: float | None = None) -> None:
         self.acked = max(self.acked, seq)
+        if rtt_s is not None and rtt_s >= 0:
+            self.min_rtt_s = rtt_s if self.min_rtt_s is None else min(self.min_rtt_s, rtt_s)
+
+    @property
+    def in_flight(self) -> int:
+        """Chunks that may be sent and not acknowledged now."""
+        return self.limit + math.floor((self.min_rtt_s or 0.0) * 1000 / CHUNK_MS)
 
     def rewind(self, seq: int, now: float, pause_s: float = 0.0) -> None:
         """Send again from ``seq`` (the server asked for it), after ``pause_s``."""
@@ -145,7 +161,7 @@ class SendWindow:
         """Seconds to wait before sending ``next`` (0 or less: send it now)."""
         if self.next >= total:
             return 0.2  # everything is sent: wait for acks (or a rewind)
-        if self.next - self.acked > MAX_IN_FLIGHT:
+        if self.next - self.acked > self.in_flight:
             return 0.05
         waits = [self.pause_until - now]
         if realtime:
@@ -167,6 +183,8 @@ class Transcript:
     # `overloaded` one is retried, and only the last refusal ends the stream.
     refusals: list[dict] = field(default_factory=list)
     acks: list[dict] = field(default_factory=list)
+    # (event, payload) of every switch_down / switch_up the server sent
+    switches: list[tuple[str, dict]] = field(default_factory=list)
     ended: bool = False
     resumes: int = 0
     # (monotonic time, event, payload) of everything received, for latency measurements.
@@ -181,19 +199,48 @@ class Transcript:
         return [e for e in self.errors if e.get("code") not in RETRYABLE]
 
 
+class Encodings:
+    """A recording's 200 ms chunks at each rung, encoded as they are first sent: PCM as
+    cut; Opus by one encoder per bitrate, fed chunk after chunk from where the stream went
+    at that bitrate (a switch starts it there, as a live encoder would be; a gap starts it
+    anew), the last chunk with the encoder's flush. Every chunk is kept as encoded, so a
+    resend after a reconnect sends the same packets."""
+
+    def __init__(self, pcm: list[bytes]):
+        self.pcm = pcm
+        self._encoders: dict[int, tuple[codecs.OpusEncoder, int]] = {}  # bitrate -> (it, next seq)
+        self._opus: dict[tuple[int, int], list[bytes]] = {}
+
+    def opus(self, seq: int, bitrate: int) -> list[bytes]:
+        if (bitrate, seq) not in self._opus:
+            encoder, following = self._encoders.get(bitrate, (None, -1))
+            if encoder is None or following != seq:
+                encoder = codecs.OpusEncoder(bitrate)
+            packets = encoder.encode(self.pcm[seq])
+            if seq == len(self.pcm) - 1:
+                packets += encoder.flush()
+            self._encoders[bitrate] = (encoder, seq + 1)
+            self._opus[bitrate, seq] = packets
+        return self._opus[bitrate, seq]
+
+
 class StreamingClient:
     """One session over one (re)connecting Socket.IO client."""
 
     def __init__(self, url: str, sample_rate: int = 16000,
                  on_event: Callable[[str, Mapping[str, Any]], None] | None = None,
                  headers: dict | None = None, reconnect: bool = True, token: str | None = None,
-                 ssl_verify: bool = True, mode: str | None = None, codec: str = codecs.PCM16,
-                 bitrate: int = 0):
+                 ssl_verify: bool = True, mode: str | None = None, codec: str | None = None,
+                 bitrate: int = 0, abr: bool = False):
         self.url = url
         self.mode = mode
-        # codecs.OPUS: the audio goes as Opus packets at ``bitrate`` (0: the server's first)
-        self.codec = codec
+        # codecs.OPUS: the audio goes as Opus packets at ``bitrate`` (0: the server's first).
+        # None: PCM, or with ``abr`` the rung the server starts the session on.
+        self.asked_codec = codec
+        self.codec = codec or codecs.PCM16
         self.bitrate = bitrate
+        # ``abr``: follow the server's switch_down and switch_up (auth.abr)
+        self.abr = abr
         self.sample_rate = sample_rate
         self.on_event = on_event
         self.headers = headers or {}
@@ -211,7 +258,7 @@ class StreamingClient:
         self._ssl_verify = ssl_verify
         # Every handler runs on one of python-engineio's threads: ``result``, ``sent_at``,
         # ``window`` (the send rule) and the private state change only under ``_lock``.
-        self.window = SendWindow()
+        self.window = self._new_window()
         self._sio_args = {"reconnection": reconnect, "reconnection_attempts": 5,
                           "reconnection_delay": 1, "reconnection_delay_max": 2,
                           "ssl_verify": ssl_verify}
@@ -229,10 +276,14 @@ class StreamingClient:
             auth["token"] = self.token
         if self.mode:
             auth["mode"] = self.mode
-        if self.codec != codecs.PCM16:
-            auth["codec"] = self.codec
+        if self.asked_codec and self.asked_codec != codecs.PCM16:
+            auth["codec"] = self.asked_codec
             if self.bitrate:
                 auth["bitrate"] = self.bitrate
+        elif self.asked_codec and self.abr:
+            auth["codec"] = self.asked_codec
+        if self.abr:
+            auth["abr"] = True
         if self.result.session:
             auth["session"] = self.result.session
             if self._last_result:
@@ -242,7 +293,9 @@ class StreamingClient:
     def _bind(self) -> None:
         handlers = {"session": self._on_session, "text": self._on_text, "end": self._on_end,
                     "error": self._on_error, "connect_error": self._on_connect_error,
-                    "disconnect": self._on_disconnect}
+                    "disconnect": self._on_disconnect,
+                    "switch_down": lambda data: self._on_switch("switch_down", data),
+                    "switch_up": lambda data: self._on_switch("switch_up", data)}
         for event, handler in handlers.items():
             self.sio.on(event, handler, namespace=NAMESPACE)
 
@@ -257,7 +310,12 @@ class StreamingClient:
                 self._restart()
             self.result.session = data["session"]
             self.session_info = data
+            if self.abr and data.get("abr") and data.get("codec") in codecs.CODECS:
+                # the rung the server starts (or resumes) the session on
+                self.codec, self.bitrate = data["codec"], data.get("bitrate") or 0
             self.window.start(data["next_seq"])
+            # a short window only where the server switches this session
+            self.window.limit = ABR_IN_FLIGHT if self.abr and data.get("abr") else MAX_IN_FLIGHT
             self._lock.notify_all()
             self._record("session", data)
         self._ready.set()
@@ -281,6 +339,14 @@ class StreamingClient:
             self._record("end", data)
             self._lock.notify_all()
         self._done.set()
+
+    def _on_switch(self, event: str, data: dict) -> None:
+        """The server's adaptive bitrate: the chunks sent from now on go at this rung."""
+        with self._lock:
+            if self.abr and data.get("codec") in codecs.CODECS:
+                self.codec, self.bitrate = data["codec"], data.get("bitrate") or 0
+            self.result.switches.append((event, data))
+            self._record(event, data)
 
     def _on_error(self, data: ErrorEvent) -> None:
         code = data.get("code")
@@ -311,8 +377,11 @@ class StreamingClient:
     def _on_disconnect(self, reason=None) -> None:
         self._ready.clear()
 
+    def _new_window(self) -> SendWindow:
+        return SendWindow(limit=ABR_IN_FLIGHT if self.abr else MAX_IN_FLIGHT)
+
     def _restart(self) -> None:
-        self.window = SendWindow()
+        self.window = self._new_window()
         self._last_result = None
         self._final_utterances.clear()
         self.result.partials.clear()
@@ -369,10 +438,11 @@ class StreamingClient:
         return self.send_payload(payload, seq, wait_ack, timeout)
 
     def send_opus(self, packets: list[bytes], seq: int, last: bool = False,
-                  wait_ack: bool = False, timeout: float = 10.0) -> dict | None:
-        """Send one chunk of Opus packets, as ``send``."""
-        payload = encode_opus_chunk(packets, seq, bitrate=self._opus_bitrate(), last=last,
-                                    sent_ms=int(time.time() * 1000))
+                  wait_ack: bool = False, timeout: float = 10.0,
+                  bitrate: int | None = None) -> dict | None:
+        """Send one chunk of Opus packets (encoded at ``bitrate``), as ``send``."""
+        payload = encode_opus_chunk(packets, seq, bitrate=bitrate or self._opus_bitrate(),
+                                    last=last, sent_ms=int(time.time() * 1000))
         return self.send_payload(payload, seq, wait_ack, timeout)
 
     def _opus_bitrate(self) -> int:
@@ -394,7 +464,9 @@ class StreamingClient:
                 return
             with self._lock:
                 if "error" not in args[0]:
-                    self.window.ack(args[0]["seq"])
+                    sent = self.sent_at.get(args[0]["seq"])
+                    self.window.ack(args[0]["seq"],
+                                    time.monotonic() - sent if sent is not None else None)
                     self._lock.notify_all()
                 self.result.acks.append(args[0])
                 self._record("ack", args[0])
@@ -407,36 +479,38 @@ class StreamingClient:
         """Send all of ``pcm`` as 200 ms chunks (the last with ``last=true``), resending
         whatever the server asks for again, until the last chunk is acknowledged.
 
-        With codec opus the whole recording is encoded first (resampled to 16 kHz if it
-        is not), and a resent chunk is sent again as it was encoded."""
-        opus: list[list[bytes]] = []
-        if self.codec == codecs.OPUS:
-            if rate != codecs.RATE:
-                pcm, rate = resample(pcm, rate, codecs.RATE), codecs.RATE
-            self.connect_wait(reconnect_timeout)
-            opus = codecs.opus_chunks(pcm, self._opus_bitrate())
-        chunks: list = opus or split_chunks(pcm, rate)
+        With codec opus, or with ``abr``, the recording is resampled to 16 kHz if it is
+        not; each chunk goes at the rung in use when it is sent (``Encodings``), and a
+        resent chunk as it was encoded."""
+        if (self.codec == codecs.OPUS or self.abr) and rate != codecs.RATE:
+            pcm, rate = resample(pcm, rate, codecs.RATE), codecs.RATE
+        self.connect_wait(reconnect_timeout)
+        chunks = Encodings(split_chunks(pcm, rate))
+        total = len(chunks.pcm)
         start = time.monotonic()
         while not self._done.is_set():
             if not self._ready.wait(reconnect_timeout):
                 raise Unreachable("the connection was lost and not restored")
             with self._lock:
-                if self.window.done(len(chunks)):
+                if self.window.done(total):
                     return
-                wait = self.window.wait(len(chunks), time.monotonic(), start,
+                wait = self.window.wait(total, time.monotonic(), start,
                                          realtime=pace == "realtime")
                 if wait > 0:
                     self._lock.wait(min(wait, 0.2))
                     continue
                 seq = self.window.take()
+                codec = self.codec
+                bitrate = self._opus_bitrate() if codec == codecs.OPUS else 0
             try:
-                last = seq == len(chunks) - 1
-                if opus:
-                    self.send_opus(opus[seq], seq, last=last)
+                last = seq == total - 1
+                if codec == codecs.OPUS:
+                    self.send_opus(chunks.opus(seq, bitrate), seq, last=last, bitrate=bitrate)
                 else:
                     # the rate goes with the first chunk, and with any chunk after it changes
                     announce = seq == 0 or rate != self.session_info.get("sample_rate")
-                    self.send(chunks[seq], seq, last=last, sample_rate=rate if announce else 0)
+                    self.send(chunks.pcm[seq], seq, last=last,
+                              sample_rate=rate if announce else 0)
             except socketio.exceptions.BadNamespaceError:
                 with self._lock:
                     self.window.rewind(seq, time.monotonic())

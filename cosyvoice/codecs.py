@@ -249,17 +249,17 @@ class OpusDecoder:
 
 def opus_chunks(pcm: bytes, bitrate: int) -> list[list[bytes]]:
     """16 kHz PCM as 200 ms chunks of Opus packets (``PACKETS_PER_CHUNK`` each): how a
-    client that holds the whole recording sends it. The encoder's last packets (the padded
-    partial frame and its look-ahead) go with the last chunk. Encoded once, the chunks are
-    resent as they are after a reconnect."""
+    client that holds the whole recording sends it. As many chunks as the PCM makes (chunk
+    ``k`` holds the same audio as PCM chunk ``k``, so a client may switch codec between
+    two chunks); the encoder's last packets (the padded partial frame and its look-ahead)
+    go with the last one. Encoded once, the chunks are resent as they are after a
+    reconnect."""
     encoder = OpusEncoder(bitrate)
     packets = encoder.encode(pcm) + encoder.flush()
-    chunks = [packets[at:at + PACKETS_PER_CHUNK]
-              for at in range(0, len(packets), PACKETS_PER_CHUNK)]
-    if len(chunks) > 1 and len(chunks[-1]) < PACKETS_PER_CHUNK // 2:
-        tail = chunks.pop()  # no chunk of a few packets at the very end
-        chunks[-1] += tail
-    return chunks or [[]]
+    count = max(1, -(-len(pcm) // (2 * FRAME_SAMPLES * PACKETS_PER_CHUNK)))
+    at = PACKETS_PER_CHUNK * (count - 1)
+    return [packets[k:k + PACKETS_PER_CHUNK]
+            for k in range(0, at, PACKETS_PER_CHUNK)] + [packets[at:]]
 
 
 def parse_bitrate(text: str) -> int:

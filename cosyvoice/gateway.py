@@ -20,8 +20,8 @@ from flask import request
 from flask_socketio import SocketIO
 from socketio.exceptions import ConnectionRefusedError as Refused
 
+from . import abr, codecs, metrics, tokens
 from . import bus as busmod
-from . import codecs, metrics, tokens
 from .asr import ENGINES
 from .errors import (
     BadChunk,
@@ -99,7 +99,8 @@ def session_event(conn: "Connection", resumed: bool, limits: dict) -> dict:
     """The ``session`` event that tells a client its session and where to go on."""
     return {"session": conn.session, "resumed": resumed, "next_seq": conn.next_seq,
             "sample_rate": conn.rate, "chunk_ms": CHUNK_MS, "mode": conn.mode,
-            "codec": conn.codec, "bitrate": conn.bitrate, "limits": limits}
+            "codec": conn.codec, "bitrate": conn.bitrate, "abr": conn.estimator is not None,
+            "limits": limits}
 
 
 @dataclass
@@ -117,6 +118,8 @@ class Connection:
     mode: str = ""
     codec: str = codecs.PCM16  # as the client asked (each chunk names its own)
     bitrate: int = 0  # codec opus: the rung the client asked for
+    # A client that follows switches (auth.abr): its rungs' judge
+    estimator: abr.Estimator | None = None
 
 
 
@@ -181,6 +184,8 @@ class Gateway:
             if conn is None:
                 conn = self._open(req, socket_id)
             conn.codec, conn.bitrate = self._codec(req)
+            if req.abr and self.settings.abr:
+                self._start_abr(conn, req)
         except CosyvoiceError as err:
             log.info("connection refused: %s", err.code, extra={"event": "refuse"})
             raise Refused(err.msg, err.to_wire()) from err
@@ -201,6 +206,44 @@ class Gateway:
         if codec != codecs.OPUS:
             return codec, 0
         return codec, req.bitrate or self.settings.opus_bitrate_list[0]
+
+    def _start_abr(self, conn: Connection, req: ConnectRequest) -> None:
+        """A client that follows switches starts on the rung it asked for (else the highest),
+        or lower where its network hint says the link is slower (the session event names
+        the rung), and gets an estimator."""
+        rungs = abr.rungs_for(self.settings.accepted_codecs, self.settings.opus_bitrate_list)
+        if len(rungs) < 2:
+            return  # one rung: nothing to switch between
+        asked = abr.rung_for(req.codec, conn.bitrate or 0, rungs) if req.codec else None
+        start = asked or rungs[0]
+        hinted, why = abr.start_rung(req.network_hint, rungs)
+        if why == "network_hint" and rungs.index(hinted) > rungs.index(start):
+            start = hinted  # the hint says the link is slower than the rung asked for
+        conn.codec, conn.bitrate = start.codec, start.bitrate if start.codec == codecs.OPUS else 0
+        conn.estimator = abr.Estimator(start, rungs=rungs)
+
+    def _judge(self, conn: Connection, chunk: Chunk, payload_bytes: int, arrival_s: float,
+               socket_id: str) -> None:
+        """Feed a stored chunk to the connection's estimator; tell the client of a switch."""
+        estimator = conn.estimator
+        if estimator is None:
+            return
+        rung = abr.rung_for(chunk.codec, chunk.bitrate or conn.bitrate, estimator.rungs)
+        if rung is None:
+            return
+        decision = estimator.on_chunk(chunk.sent_ms, arrival_s,
+                                      payload_bytes + abr.CHUNK_FRAMING_BYTES, rung.name)
+        metrics.ABR_RUNG_SECONDS.labels(rung.name).inc(chunk.duration_s)
+        metrics.ABR_QUEUE_DELAY.observe(max(0.0, estimator.queue_delay_ms) / 1000)
+        if decision is None:
+            return
+        metrics.ABR_SWITCHES.labels(decision.direction, decision.reason).inc()
+        conn.codec, conn.bitrate = decision.rung.codec, decision.rung.bitrate
+        log.info("switch %s to %s (%s)", decision.direction, decision.rung.name,
+                 decision.reason, extra={"session": conn.session, "event": "abr"})
+        self.socketio.emit(f"switch_{decision.direction}",
+                           {**decision.rung.to_wire(), "reason": decision.reason},
+                           to=socket_id, namespace=NAMESPACE)
 
     def _welcome(self, socket_id: str, conn: Connection, resumed: bool,
                  notices: list[CosyvoiceError]) -> None:
@@ -293,6 +336,7 @@ class Gateway:
     @metrics.counts_chunks
     def on_audio_chunk(self, socket_id: str, data=None):
         """python-socketio handler (no Flask request context): the ack, or an error."""
+        arrival_s = time.monotonic()
         conn = self.connections.get(socket_id)
         try:
             if conn is None or conn.stopped:
@@ -304,6 +348,7 @@ class Gateway:
             ack = self._store(conn, chunk, data)
             if "duplicate" not in ack:
                 metrics.count_audio(chunk.codec, len(data), chunk.duration_s)
+                self._judge(conn, chunk, len(data), arrival_s, socket_id)
             return ack
         except CosyvoiceError as err:
             self._emit_error(err, socket_id)

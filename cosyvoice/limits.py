@@ -35,6 +35,7 @@ class ConnectRequest:
     mode: str | None = None
     codec: str | None = None
     bitrate: int | None = None
+    abr: bool = False  # the client follows switch_down and switch_up
 
 
 def parse_auth(auth, modes: tuple[str, ...] = (), codecs: tuple[str, ...] = (PCM16,),
@@ -74,7 +75,10 @@ def parse_auth(auth, modes: tuple[str, ...] = (), codecs: tuple[str, ...] = (PCM
     if mode is not None and mode not in modes:
         raise UnsupportedMode(f"mode must be one of {list(modes)} on this server")
     codec, bitrate = _codec(auth, codecs, bitrates)
-    return ConnectRequest(rate, token, session, last_result, hint, mode, codec, bitrate)
+    abr = auth.get("abr", False)
+    if type(abr) is not bool:
+        raise Unauthorized("abr must be true or false")
+    return ConnectRequest(rate, token, session, last_result, hint, mode, codec, bitrate, abr)
 
 
 def _codec(auth: dict, codecs: tuple[str, ...],

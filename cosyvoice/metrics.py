@@ -50,6 +50,17 @@ AUDIO_BYTES = Counter(
 AUDIO_SECONDS = Counter(
     "cosyvoice_audio_seconds", "Seconds of audio stored, by codec (bytes over seconds: "
     "what a second of audio costs on the wire)", ["codec"])
+ABR_SWITCHES = Counter(
+    "cosyvoice_abr_switches", "switch_down and switch_up told to clients, by direction and "
+    "reason (congestion, probe, probe_failed)", ["direction", "reason"])
+ABR_RUNG_SECONDS = Counter(
+    "cosyvoice_abr_rung_seconds", "Seconds of audio stored from clients that follow switches, "
+    "by the rung it came on (pcm16, opus32, ...)", ["rung"])
+ABR_QUEUE_DELAY = Histogram(
+    "cosyvoice_abr_queue_delay_seconds",
+    "Estimated queueing delay of each chunk from a client that follows switches: its one-way "
+    "delay above the lowest of the last 10 minutes",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0))
 
 # ---- worker -----------------------------------------------------------------------------
 
@@ -87,7 +98,8 @@ REDIS_REDIRECTIONS = Counter(
     "cluster's layout read again (topology)", ["kind"])
 
 GATEWAY_METRICS = (SESSIONS_ACTIVE, CHUNKS_ACCEPTED, CHUNKS_REJECTED, ACK_SECONDS, AUDIO_BYTES,
-                   AUDIO_SECONDS, REDIS_ERRORS, REDIS_REDIRECTIONS)
+                   AUDIO_SECONDS, ABR_SWITCHES, ABR_RUNG_SECONDS, ABR_QUEUE_DELAY, REDIS_ERRORS,
+                   REDIS_REDIRECTIONS)
 WORKER_METRICS = (DECODE_LAG, WORKER_SESSIONS, WORKER_CAPACITY, DECODE_WAIT, DECODE_BUSY,
                   OPUS_UNDECODABLE, REDIS_ERRORS, REDIS_REDIRECTIONS)
 

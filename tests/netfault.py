@@ -9,10 +9,13 @@ from cosyvoice.embedded_redis import free_port
 
 
 class CuttableProxy:
-    def __init__(self, upstream_port: int):
+    """``listen_host``: the address it listens on (the host's end of a test's own link)."""
+
+    def __init__(self, upstream_port: int, listen_host: str = "127.0.0.1"):
         self.upstream_port = upstream_port
+        self.host = listen_host
         self.port = free_port()
-        self._server = socket.create_server(("127.0.0.1", self.port))
+        self._server = socket.create_server((listen_host, self.port))
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -20,7 +23,7 @@ class CuttableProxy:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def _accept(self) -> None:
         while not self._closed:

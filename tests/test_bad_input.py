@@ -78,6 +78,7 @@ def send(client, payload):
     ({"codec": "opus", "bitrate": 999}, "unsupported_codec"),
     ({"codec": "opus", "bitrate": "24k"}, "unsupported_codec"),
     ({"bitrate": 24000}, "unsupported_codec"),  # a bitrate without codec opus
+    ({"abr": "yes"}, "unauthorized"),
 ])
 def test_malformed_auth_is_refused_with_its_code(app, auth, code):
     client = connect(app, auth=auth)
@@ -235,6 +236,35 @@ def test_opus_chunks_are_stored_and_a_bad_packet_loses_nothing(app, module_redis
     c.disconnect(NAMESPACE)
 
 
+@pytest.mark.parametrize("auth, rung", [
+    ({"abr": True}, ("pcm16", 0)),  # no hint: the highest
+    ({"abr": True, "network_hint": {"effective_type": "2g"}}, ("opus", 12000)),
+    ({"abr": True, "network_hint": {"downlink_mbps": 0.065, "rtt_ms": 300}}, ("opus", 24000)),
+    ({"abr": True, "codec": "opus", "bitrate": 16000,
+      "network_hint": {"effective_type": "4g"}}, ("opus", 16000)),  # as asked: not higher
+    ({"abr": True, "codec": "opus", "bitrate": 32000,
+      "network_hint": {"effective_type": "2g"}}, ("opus", 12000)),  # lower than asked
+    ({"network_hint": {"effective_type": "2g"}}, ("pcm16", 0)),  # does not follow switches
+])
+def test_a_client_that_follows_switches_starts_on_the_rung_its_hint_allows(
+        module_redis, module_redis_client, auth, rung):
+    app = make_app(module_redis, module_redis_client, rate_limit_factor=0,
+                   max_sessions_per_client=0, abr=True)
+    c = connect(app, auth=auth)
+    session = _session(c)
+    assert (session["codec"], session["bitrate"]) == rung
+    c.disconnect(NAMESPACE)
+
+
+def test_with_abr_off_the_client_gets_what_it_asked_for(module_redis, module_redis_client):
+    off = make_app(module_redis, module_redis_client, rate_limit_factor=0,
+                   max_sessions_per_client=0)  # COSYVOICE_ABR's default
+    c = connect(off, auth={"abr": True, "network_hint": {"effective_type": "2g"}})
+    session = _session(c)
+    assert (session["codec"], session["bitrate"]) == ("pcm16", 0)
+    c.disconnect(NAMESPACE)
+
+
 def test_a_codec_the_server_does_not_take_is_refused(module_redis, module_redis_client):
     pcm_only = make_app(module_redis, module_redis_client, rate_limit_factor=0,
                         max_sessions_per_client=0, codecs="pcm16")
@@ -346,6 +376,7 @@ auth_values = st.one_of(
         "network_hint": json_values,
         "codec": st.one_of(st.sampled_from(["pcm16", "opus"]), json_values),
         "bitrate": st.one_of(st.sampled_from([16000, 24000, 32000]), json_values),
+        "abr": st.one_of(st.booleans(), json_values),
     }))
 
 

@@ -25,12 +25,23 @@ import requests
 from playwright.sync_api import ConsoleMessage, Page, ViewportSize, expect, sync_playwright
 
 from cosyvoice import keys, tokens
-from cosyvoice.client import StreamingClient
+from cosyvoice.client import StreamingClient, transcribe_pcm
 from cosyvoice.embedded_redis import free_port
 from cosyvoice.settings import Settings
 
 from . import launcher
-from .helpers import FIXTURES, TEST_ENV, fixture_texts, phase_bound, read_pcm, wer
+from .helpers import (
+    FIXTURES,
+    TEST_ENV,
+    corpus_wer,
+    fixture_texts,
+    harvard_texts,
+    phase_bound,
+    read_pcm,
+    wer,
+)
+from .netfault import CuttableProxy
+from .netlink import slow_link
 
 pytestmark = pytest.mark.e2e
 
@@ -99,16 +110,17 @@ class Observed:
 
 @contextlib.contextmanager
 def browser_page(viewport: ViewportSize, microphone_wav: Path | None = None,
-                 allow_microphone: bool = True) -> Iterator[tuple[Page, Observed]]:
+                 allow_microphone: bool = True, executable: str = CHROMIUM,
+                 extra_args: tuple[str, ...] = ()) -> Iterator[tuple[Page, Observed]]:
     """A fresh headless Chromium (own temporary profile) with one page, and what it did."""
-    args = list(BASE_ARGS)
+    args = [*BASE_ARGS, *extra_args]
     if allow_microphone:
         args.append("--use-fake-ui-for-media-stream")
     if microphone_wav is not None:
         args.append(f"--use-file-for-fake-audio-capture={microphone_wav}")
     observed = Observed()
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        browser = pw.chromium.launch(executable_path=executable, headless=True, args=args)
         try:
             page = browser.new_page(viewport=viewport)
             observed.watch(page)
@@ -190,6 +202,48 @@ def test_the_page_sends_pcm_when_its_address_asks(service, tmp_path):
     assert wer(TEXTS["coffee"], text) <= bound("coffee"), text
     assert after["pcm16"] - before["pcm16"] >= duration - 1.5
     assert after["opus"] == before["opus"]
+    assert observed.console_errors == []
+
+
+def test_on_a_slow_link_the_page_is_switched_down_and_keeps_up(service, tmp_path):
+    """Chromium in a network namespace whose uplink carries 16 kbit/s (tests/netlink.py),
+    far under Opus at 32 kbit/s with its framing: the server switches the page down, the
+    page says so and encodes at the lower bitrate, and the transcript stays within its
+    bound."""
+    names = ["birch", "glue", "depth"]
+    wav = tmp_path / "speech.wav"
+    speech = (b"\0\0" * 4800).join(read_pcm(n) for n in names)
+    duration = padded_wav(speech, wav)
+    reference = " ".join(harvard_texts()[n] for n in names)
+    # the same speech as PCM over loopback: the bound is its WER and 5 points for the
+    # lower rungs and a switch mid-sentence (benchmarks/abr.py's definition of failure)
+    bound = corpus_wer([reference], [transcribe_pcm(service.url, speech, 16000,
+                                                    pace="fast").text]) + 0.05
+    with slow_link(16) as link:
+        proxy = CuttableProxy(int(service.url.rsplit(":", 1)[1]), listen_host=link.host_ip)
+        wrapper = tmp_path / "chromium-in-namespace"
+        wrapper.write_text(f'#!/bin/sh\nexec ip netns exec {link.namespace} {CHROMIUM} "$@"\n')
+        wrapper.chmod(0o755)
+        try:
+            with browser_page({"width": 900, "height": 760}, wav, executable=str(wrapper),
+                              extra_args=(f"--unsafely-treat-insecure-origin-as-secure="
+                                          f"{proxy.url}",)) as (page, observed):
+                page.goto(proxy.url + "/")
+                page.get_by_role("button", name="Start").click()
+                started = time.monotonic()
+                expect(page.locator("#connection")).to_contain_text("Connected", timeout=15_000)
+                expect(page.locator("#message")).to_contain_text("The network is slow",
+                                                                 timeout=20_000)
+                switched = page.locator("#audio").inner_text()
+                wait_until_played(started, duration)
+                page.get_by_role("button", name="Stop").click()
+                expect(page.locator("#record")).to_have_text("Start", timeout=40_000)
+                text = page.locator("#finals").inner_text()
+        finally:
+            proxy.close()
+    print(f"switched to {switched!r}: {text!r}")
+    assert re.search(r"Opus (24|16|12) kbit/s$", switched), switched
+    assert corpus_wer([reference], [text]) <= bound, text
     assert observed.console_errors == []
 
 

@@ -20,7 +20,7 @@ from lupa import lua51
 from cosyvoice import bus as busmod
 from cosyvoice import scripts
 from cosyvoice.backoff import Backoff
-from cosyvoice.client import MAX_IN_FLIGHT, SendWindow, StreamingClient
+from cosyvoice.client import ABR_IN_FLIGHT, MAX_IN_FLIGHT, SendWindow, StreamingClient
 from cosyvoice.errors import BadChunk, Internal, SeqGap, SessionExpired
 from cosyvoice.gateway import Connection, ack_for, error_ack, session_event, session_limits
 from cosyvoice.messages import Checkpoint, DeferredFinal, Result, to_event
@@ -76,6 +76,7 @@ def test_the_session_event_says_where_to_go_on_and_the_limits():
     event = session_event(conn, True, session_limits(settings))
     assert event == {"session": "abc", "resumed": True, "next_seq": 7, "sample_rate": 8000,
                      "chunk_ms": 200, "mode": "pocketsphinx", "codec": "opus", "bitrate": 24000,
+                     "abr": False,
                      "limits": {"max_chunk_ms": 800, "sample_rates": [8000, 16000, 48000],
                                 "grace_s": 5.0, "max_session_s": 14400.0,
                                 "rate_limit_factor": 2.0,
@@ -283,6 +284,26 @@ def test_the_window_paces_real_time_and_caps_what_is_in_flight():
     assert w.wait(10_000, now=200.0, start=100.0, realtime=False) == 0.05  # none acked
     w.ack(MAX_IN_FLIGHT - 1)
     assert w.wait(10_000, now=200.0, start=100.0, realtime=False) <= 0
+
+
+def test_a_window_that_follows_switches_keeps_a_second_beyond_the_round_trip():
+    w = SendWindow(limit=ABR_IN_FLIGHT)
+    w.start(0)
+    for _ in range(ABR_IN_FLIGHT + 1):
+        w.take()
+    assert w.wait(100, now=1.0, start=0.0, realtime=False) == 0.05  # five in flight
+    # a 2 s round trip holds ten chunks on the path: fifteen may fly
+    w.ack(0, rtt_s=2.0)
+    assert w.in_flight == ABR_IN_FLIGHT + 10
+    for _ in range(9):
+        assert w.wait(100, now=3.0, start=0.0, realtime=False) <= 0
+        w.take()
+    assert w.next - w.acked - 1 == 15 - 1
+    assert w.wait(100, now=3.0, start=0.0, realtime=False) <= 0
+    w.take()
+    assert w.wait(100, now=3.0, start=0.0, realtime=False) == 0.05
+    w.ack(1, rtt_s=3.5)  # a queue: the shortest round trip seen still counts
+    assert w.in_flight == ABR_IN_FLIGHT + 10
 
 
 def test_the_window_rewinds_pauses_and_resumes_where_the_server_says():

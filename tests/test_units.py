@@ -66,7 +66,7 @@ def test_settings_rules_cover_every_checkable_setting_and_accept_the_defaults():
     names = {f.name for f in dataclasses.fields(Settings)}
     assert set(_RULES) <= names
     # free text (addresses, paths, secrets, origins) and booleans need no rule
-    assert names - set(_RULES) == {"host", "redis_cluster", "whisper_cpu_bf16",
+    assert names - set(_RULES) == {"host", "redis_cluster", "abr", "whisper_cpu_bf16",
                                    "whisper_int8_decoder", "whisper_checkpoint", "model_dir",
                                    "allowed_origins", "auth_secret"}
     assert Settings().validate() == Settings()

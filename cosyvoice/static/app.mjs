@@ -125,7 +125,9 @@ class App {
       const file = e.dataTransfer?.files?.[0];
       if (file) this.transcribeFile(file);
     });
-    this.loadConfig();
+    // Start waits for it: on a slow link /config may come after the first click, and
+    // without the codec offer the page would send PCM where Opus was what it needed.
+    this.configLoaded = this.loadConfig();
     $("details").addEventListener("change", (e) => $("transcript").classList.toggle("details", e.target.checked));
     this.setState("idle");
   }
@@ -166,6 +168,7 @@ class App {
    * server offers it and this browser's WebCodecs encodes it (at the server's first,
    * best, bitrate), unless the page's address asks for `?codec=pcm16`. */
   async opusBitrate() {
+    await this.configLoaded;
     const asked = pageCodec();
     const bitrate = this.codecOffer?.opus?.bitrates?.[0];
     if (asked === "pcm16" || !bitrate) return 0;
@@ -276,7 +279,9 @@ class App {
     this.rate = INITIAL_RATE;
     this.errorShown = false;
     const bitrate = await this.opusBitrate();
-    const stream = new SpeechStream(this.streamHandlers(), { token: pageToken(), mode: this.mode(), bitrate });
+    // A page that encodes Opus follows the server's switches between PCM and Opus rungs.
+    const stream = new SpeechStream(this.streamHandlers(), { token: pageToken(), mode: this.mode(), bitrate, abr: bitrate > 0 });
+    this.held = null;
     const mic = new Microphone((chunk) => this.onChunk(chunk));
     this.stream = stream;
     this.mic = mic;
@@ -296,7 +301,7 @@ class App {
         this.stop();
       }
     };
-    this.audio.textContent = `${kHz(this.rate)} · mic ${kHz(mic.deviceRate)} · ${codecName(bitrate)}`;
+    this.showAudio();
     stream.open();
     this.setState("recording");
   }
@@ -312,6 +317,7 @@ class App {
     }
     this.setState("finishing");
     await mic.finish(); // the worklet's last chunk goes out through onChunk with last=true
+    while (this.held) await new Promise((resolve) => setTimeout(resolve, 20)); // a switch to PCM
     await this.encoder?.finish(); // the encoder's last packets go out with last=true
     this.encoder = null;
     await this.finish(stream, END_TIMEOUT_MS);
@@ -336,14 +342,16 @@ class App {
     await stream?.close();
   }
 
-  onChunk(chunk) {
-    if (this.encoder) {
+  onChunk(chunk, level = true) {
+    if (this.held) {
+      this.held.push(chunk); // the encoder is draining before PCM takes over
+    } else if (this.encoder) {
       // the last PCM chunk is encoded too; the encoder's finish() sends `last`
       this.encoder.encode(chunk.pcm);
     } else {
       this.stream?.send(chunk);
     }
-    this.showLevel(chunk.pcm);
+    if (level) this.showLevel(chunk.pcm);
   }
 
   showLevel(pcm) {
@@ -360,7 +368,7 @@ class App {
       state: (state, detail) => this.onConnectionState(state, detail),
       session: (info, kind) => this.onSession(info, kind),
       text: (result, latencyMs) => this.onText(result, latencyMs),
-      rateSwitch: (rate, reason, direction) => this.onRateSwitch(rate, reason, direction),
+      rungSwitch: (rung, direction) => this.onRungSwitch(rung, direction),
       error: (err, fatal) => this.onServerError(err, fatal),
       end: () => {},
     };
@@ -388,7 +396,8 @@ class App {
     this.setConnection("connected", `Connected · ${kHz(info.rate)}`);
     this.sessionInfo.textContent = info.id.slice(0, 8);
     this.sessionInfo.title = info.id;
-    if (info.rate !== this.rate) this.useRate(info.rate);
+    if (this.stream?.abr && info.abr && info.codec) this.useRung({ codec: info.codec, bitrate: info.bitrate });
+    else if (info.rate !== this.rate) this.useRate(info.rate);
     if (kind === "resumed") {
       this.showMessage("Reconnected: the session continues where it left off.", "info");
     } else if (kind === "restarted") {
@@ -401,15 +410,40 @@ class App {
     if (this.encoder) return; // Opus is 16 kHz whatever the session's PCM rate
     this.rate = rate;
     this.mic?.setRate(rate);
-    const device = this.mic?.deviceRate;
-    this.audio.textContent = device ? `${kHz(rate)} · mic ${kHz(device)} · PCM` : kHz(rate);
+    this.showAudio();
   }
 
-  onRateSwitch(rate, reason, direction) {
-    if (!rate || rate === this.rate) return;
-    this.useRate(rate);
-    const why = direction === "down" ? "The network is slow" : "The network has recovered";
-    this.showMessage(`${why}: now sending ${kHz(rate)} audio${reason ? ` (${reason})` : ""}.`, "info");
+  /** The rates and the codec in use: "16 kHz · mic 48 kHz · Opus 32 kbit/s". */
+  showAudio() {
+    const device = this.mic?.deviceRate;
+    const codec = codecName(this.encoder?.bitrate ?? 0);
+    this.audio.textContent = device ? `${kHz(this.rate)} · mic ${kHz(device)} · ${codec}` : kHz(this.rate);
+  }
+
+  /** Sends the microphone's audio at `rung` ({codec, bitrate}) from the next chunk on: a
+   * new bitrate for the encoder, a new encoder, or PCM once the encoder's last packets
+   * went out (chunks captured meanwhile wait, so the audio stays in order). */
+  async useRung(rung) {
+    if (rung.codec === "opus") {
+      if (this.encoder) this.encoder.setBitrate(rung.bitrate);
+      else if (!this.held) this.encoder = new OpusChunker(rung.bitrate, (chunk) => this.stream?.send(chunk));
+    } else if (this.encoder && !this.held) {
+      const encoder = this.encoder;
+      this.held = [];
+      await encoder.drain();
+      this.encoder = null;
+      const held = this.held;
+      this.held = null;
+      for (const chunk of held) this.onChunk(chunk, false);
+    }
+    this.showAudio();
+  }
+
+  onRungSwitch(rung, direction) {
+    if (!this.stream?.abr || !this.mic) return;
+    this.useRung(rung);
+    const why = direction === "down" ? "The network is slow" : "The network has room again";
+    this.showMessage(`${why}: now sending ${codecName(rung.codec === "opus" ? rung.bitrate : 0)}.`, "info");
   }
 
   onText(result, latencyMs) {

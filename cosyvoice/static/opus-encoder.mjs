@@ -70,6 +70,25 @@ export class OpusChunker {
     }
   }
 
+  /** Encodes at `bitrate` from the next chunk on. */
+  setBitrate(bitrate) {
+    if (bitrate === this.bitrate || this.encoder.state === "closed") return;
+    this.bitrate = bitrate;
+    this.encoder.configure(opusConfig(bitrate));
+  }
+
+  /** The encoder's last packets, sent as a chunk that is not the last, then closed: PCM
+   * takes over from here. */
+  async drain() {
+    try {
+      await this.encoder.flush();
+    } catch {
+      // a failed encoder: what it encoded goes out
+    }
+    if (this.packets.length) this.onChunk({ opus: this.packets.splice(0), bitrate: this.bitrate, last: false });
+    if (this.encoder.state !== "closed") this.encoder.close();
+  }
+
   /** The end of the recording: every packet the encoder holds, sent as the last chunk. */
   async finish() {
     try {

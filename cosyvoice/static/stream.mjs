@@ -12,24 +12,31 @@ export const RECONNECT_DELAY_MS = 1000;
 // (their data is the wire error); `session_expired` on reconnect is only a notice that a
 // fresh session follows.
 const FATAL_CODES = new Set(["overloaded", "unauthorized"]);
+// Chunks sent and not acknowledged while following the server's switches (`abr`), beyond
+// those the path's shortest round trip holds: about a second, so the network's queue
+// stays short and what waits goes at the rung in use when it is sent.
+export const ABR_IN_FLIGHT = 5;
 
 /**
  * A recording's stream of chunks and results.
  *
  * `handlers` receives: state(name, detail) with name connecting | connected |
  * reconnecting | disconnected | refused | failed | closed; session(info, kind) with kind new |
- * resumed | restarted; text(result, latencyMs); rateSwitch(rate, reason, direction);
+ * resumed | restarted; text(result, latencyMs); rungSwitch({codec, bitrate, sample_rate,
+ * reason}, direction) with direction down | up;
  * error({code, msg}, fatal); end().
  */
 export class SpeechStream {
   /** `token` is sent as `auth.token` when the service requires one; `mode` (one of the
    * server's session modes) asks for a mode when the session is created; `bitrate` says
-   * the audio goes as Opus at that bitrate (`auth.codec`, `auth.bitrate`). */
-  constructor(handlers, { token = null, mode = null, bitrate = 0 } = {}) {
+   * the audio goes as Opus at that bitrate (`auth.codec`, `auth.bitrate`); `abr` that the
+   * page follows the server's switch_down and switch_up (`auth.abr`). */
+  constructor(handlers, { token = null, mode = null, bitrate = 0, abr = false } = {}) {
     this.on = handlers;
     this.token = token;
     this.mode = mode;
     this.bitrate = bitrate;
+    this.abr = abr;
     this.socket = null;
     this.session = null; // {id, rate, chunkMs, limits} of the current session
     this.lastResultId = null; // id of the last result received, for resume
@@ -39,6 +46,7 @@ export class SpeechStream {
     this.nextSeq = 0;
     this.announcedRate = null; // rate last sent explicitly on this connection
     this.ready = false; // a `session` event arrived on the current connection
+    this.minRttMs = null; // the shortest chunk-to-ack time seen
     this.sentAt = new Map(); // seq -> performance.now() when sent, for latency
     this.seenFinals = new Set();
     this.ended = false;
@@ -62,8 +70,8 @@ export class SpeechStream {
     socket.on("text", (data) => this.onText(data));
     socket.on("end", () => this.onEnd());
     socket.on("error", (data) => this.on.error(data, FATAL_CODES.has(data.code)));
-    socket.on("switch_down", (data) => this.on.rateSwitch(data.sample_rate, data.reason, "down"));
-    socket.on("switch_up", (data) => this.on.rateSwitch(data.sample_rate, data.reason, "up"));
+    socket.on("switch_down", (data) => this.on.rungSwitch(data, "down"));
+    socket.on("switch_up", (data) => this.on.rungSwitch(data, "up"));
     socket.on("disconnect", (reason) => this.onDisconnect(reason));
     socket.on("connect_error", (err) => {
       // Not `active`: the server refused the connection and socket.io will not retry.
@@ -82,7 +90,7 @@ export class SpeechStream {
     const auth = {};
     if (this.token) auth.token = this.token;
     const net = globalThis.navigator?.connection;
-    if (net) auth.network_hint = { effectiveType: net.effectiveType, downlink: net.downlink, rtt: net.rtt };
+    if (net) auth.network_hint = { effective_type: net.effectiveType, downlink_mbps: net.downlink, rtt_ms: net.rtt };
     if (this.session) {
       auth.session = this.session.id;
       if (this.lastResultId) auth.last_result = this.lastResultId;
@@ -93,6 +101,7 @@ export class SpeechStream {
       auth.codec = "opus";
       auth.bitrate = this.bitrate;
     }
+    if (this.abr) auth.abr = true;
     return auth;
   }
 
@@ -114,7 +123,10 @@ export class SpeechStream {
       }
       this.nextSeq = data.next_seq;
     }
-    this.session = { id: data.session, rate: data.sample_rate, chunkMs: data.chunk_ms, limits: data.limits };
+    this.session = {
+      id: data.session, rate: data.sample_rate, chunkMs: data.chunk_ms, limits: data.limits,
+      codec: data.codec, bitrate: data.bitrate, abr: Boolean(data.abr),
+    };
     this.ready = true;
     this.announcedRate = null;
     this.on.session(this.session, kind);
@@ -140,8 +152,12 @@ export class SpeechStream {
 
   pump() {
     if (!this.ready || !this.socket.connected) return;
+    let inFlight = this.pending.filter((c) => c.sent).length;
+    const limit = ABR_IN_FLIGHT + Math.floor((this.minRttMs ?? 0) / 200);
     for (const c of this.pending) {
       if (c.sent) continue;
+      if (this.abr && this.session.abr && inFlight >= limit) break;
+      inFlight += 1;
       if (c.seq === null) c.seq = this.nextSeq++;
       let payload;
       if (c.opus) {
@@ -153,7 +169,8 @@ export class SpeechStream {
         this.announcedRate = c.sampleRate;
         payload = encodeChunk({ pcm: c.pcm, seq: c.seq, last: c.last, sampleRate, sentMs: Date.now() });
       }
-      this.sentAt.set(c.seq, performance.now());
+      c.sentAt = performance.now();
+      this.sentAt.set(c.seq, c.sentAt);
       c.sent = true;
       this.socket.emit("audio_chunk", payload, () => this.acked(c));
     }
@@ -163,6 +180,9 @@ export class SpeechStream {
     // Refused chunks are acked too ({error, seq}); the `error` event explains them.
     const i = this.pending.indexOf(chunk);
     if (i >= 0) this.pending.splice(i, 1);
+    const rtt = performance.now() - chunk.sentAt;
+    if (rtt >= 0) this.minRttMs = Math.min(this.minRttMs ?? rtt, rtt);
+    if (this.abr) this.pump(); // room in flight for the next one
   }
 
   onText(result) {

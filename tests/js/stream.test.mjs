@@ -58,7 +58,7 @@ function recorder() {
     state: (s, d) => log.states.push(d === undefined ? s : `${s}:${d}`),
     session: (info, kind) => log.sessions.push([info.id, kind]),
     text: (result, latency) => log.texts.push({ ...result, latency }),
-    rateSwitch: () => {},
+    rungSwitch: () => {},
     error: (err, fatal) => log.errors.push([err.code, fatal]),
     end: () => {},
   };
@@ -182,4 +182,27 @@ test("a refusal by connect_error reports the server's error and stops", () => {
   socket.handlers.connect_error(Object.assign(new Error("refused"), { data: { code: "unauthorized", msg: "no" } }));
   assert.deepEqual(log.errors, [["unauthorized", true]]);
   assert.equal(log.states.at(-1), "refused");
+});
+
+test("following switches: auth says so, at most five chunks fly, and switches reach the page", () => {
+  let socket;
+  globalThis.io = (url, options) => (socket = new ScriptedSocket(url, options));
+  const switches = [];
+  const { handlers } = recorder();
+  handlers.rungSwitch = (rung, direction) => switches.push([rung.codec, rung.bitrate, rung.reason, direction]);
+  const stream = new SpeechStream(handlers, { abr: true, bitrate: 32000 });
+  stream.open();
+  socket.accept({ session: "s1", resumed: false, next_seq: 0, sample_rate: 16000, codec: "opus", bitrate: 24000, abr: true });
+  assert.equal(socket.auths[0].abr, true);
+  assert.equal(socket.auths[0].codec, "opus");
+  assert.equal(stream.session.bitrate, 24000); // the rung the server started it on
+  for (let i = 0; i < 8; i++) stream.send({ opus: [new Uint8Array([8, i])], bitrate: 24000, last: false });
+  assert.deepEqual(socket.emitted.map((e) => e.chunk.seq), [0, 1, 2, 3, 4]);
+  socket.emitted[0].ack({ seq: 0 });
+  socket.emitted[1].ack({ seq: 1 });
+  assert.deepEqual(socket.emitted.map((e) => e.chunk.seq), [0, 1, 2, 3, 4, 5, 6]);
+  assert.equal(socket.emitted[5].chunk.codec, 1); // OPUS
+  socket.handlers.switch_down({ codec: "opus", bitrate: 12000, sample_rate: 16000, reason: "congestion" });
+  socket.handlers.switch_up({ codec: "pcm16", bitrate: 256000, sample_rate: 16000, reason: "probe" });
+  assert.deepEqual(switches, [["opus", 12000, "congestion", "down"], ["pcm16", 256000, "probe", "up"]]);
 });

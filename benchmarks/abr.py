@@ -1,0 +1,401 @@
+"""Adaptive bitrate on emulated bad links: fixed PCM against ``--abr``, same audio, same links.
+
+Each client runs in a network namespace of its own (``tests/netlink.py``: a veth pair, its
+uplink shaped with ``tc tbf``), and reaches the service through an in-order userspace
+proxy on the host's end that adds the profile's one-way delay and jitter to both
+directions (``netem`` does not exist on these machines). The service (embedded Redis, a
+gunicorn gateway, two worker processes admitting half the sessions each, the default
+engine) runs on the host's loopback.
+The ``--sessions`` sessions of one cell run at the same time, each on its own link, each
+streaming the same ``--seconds`` of speech in real time; a cell takes about one session.
+
+Failure, defined before measuring: a session fails when
+
+* its connection was lost and not resumed (the client gave up, or the stream ended with
+  an error), or
+* a final came more than 3 s after the end of its utterance's audio (from when the
+  audio's last sample would have been captured, in real time), or
+* its WER is above the WER of the same audio streamed as PCM over loopback before the
+  cells (measured once per run) plus 5 points (the Opus rungs cost up to 2.4: Opus on
+  the wire in docs/benchmarks.md).
+
+Per cell: failures with a 95 % Wilson interval, chunk lag (from when a chunk's audio was
+captured to its ack) P50/P95/P99, final latency P95, switches per session and the share of
+audio on each rung.
+
+Profiles (``--profiles``, all by default): ``control`` 1 Mbit/s and 150 +- 50 ms;
+``step`` 1 Mbit/s, 200 kbit/s from 15 s to 45 s, then 1 Mbit/s again (80 ms); ``slow``
+a constant 150 kbit/s (80 ms); ``slow3g`` 400 kbit/s with a 2 s round trip; ``edge``
+64 kbit/s (80 ms), to state the limit.
+
+    python benchmarks/abr.py [--profiles control,step,slow,slow3g,edge] [--sessions 10]
+        [--seconds 60] [--json-out F]
+
+The whole table (five profiles, two modes) takes about 13 minutes: a client still
+streaming 60 s after its audio ended is stopped and counts as failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import wave
+from collections import deque
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.stack import Stack, percentile, read_fixture  # noqa: E402
+from benchmarks.transport import machine  # noqa: E402
+from cosyvoice.embedded_redis import free_port  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    corpus_wer,
+    fixture_texts,
+    harvard_texts,
+    reference_text,
+)
+from tests.netlink import slow_link  # noqa: E402
+
+FINAL_LATE_S = 3.0
+WER_MARGIN = 0.05
+GAP_S = 0.6
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    rate_kbit: int
+    delay_ms: float  # one way, each direction
+    jitter_ms: float
+    steps: tuple[tuple[float, int], ...] = ()  # (at_s, rate_kbit) changes during a session
+
+
+PROFILES = {
+    "control": Profile("control", 1000, 75, 25),
+    "step": Profile("step", 1000, 40, 10, ((15.0, 200), (45.0, 1000))),
+    "slow": Profile("slow", 150, 40, 10),
+    "slow3g": Profile("slow3g", 400, 1000, 50),
+    "edge": Profile("edge", 64, 40, 10),
+}
+
+
+# ---- the session's audio --------------------------------------------------------------
+
+def session_audio(seconds: float) -> tuple[bytes, str]:
+    """Speech fixtures one after another with short pauses, to ``seconds``: (pcm, text)."""
+    refs = {**fixture_texts(), **harvard_texts(), "harvard_long": reference_text("harvard_long")}
+    gap = b"\x00\x00" * int(16000 * GAP_S)
+    parts, texts, total = [], [], 0.0
+    for name in sorted(refs):
+        pcm = read_fixture(name)
+        if total + len(pcm) / 32000 > seconds:
+            continue
+        parts.append(pcm)
+        texts.append(refs[name])
+        total += len(pcm) / 32000 + GAP_S
+    pcm = gap.join(parts)
+    return pcm + b"\x00\x00" * max(0, int(16000 * seconds) - len(pcm) // 2), " ".join(texts)
+
+
+# ---- an in-order delay line -----------------------------------------------------------
+
+class DelayProxy:
+    """Listens on ``host`` and forwards to the gateway on loopback, holding every piece of
+    data ``delay_ms`` +- ``jitter_ms`` (uniform) in each direction, never out of order."""
+
+    def __init__(self, host: str, upstream_port: int, delay_ms: float, jitter_ms: float,
+                 seed: int):
+        self.upstream_port = upstream_port
+        self.delay_s, self.jitter_s = delay_ms / 1000, jitter_ms / 1000
+        self.rng = random.Random(seed)
+        self.port = free_port()
+        self.url = f"http://{host}:{self.port}"
+        self._server = socket.create_server((host, self.port))
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                client.close()
+                continue
+            for a, b in ((client, upstream), (upstream, client)):
+                queue: deque[tuple[float, bytes]] = deque()
+                ready = threading.Condition()
+                threading.Thread(target=self._read, args=(a, queue, ready), daemon=True).start()
+                threading.Thread(target=self._write, args=(b, queue, ready), daemon=True).start()
+
+    def _read(self, src: socket.socket, queue: deque, ready: threading.Condition) -> None:
+        last_due = 0.0
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            with ready:
+                if data:
+                    due = time.monotonic() + self.delay_s + self.rng.uniform(-self.jitter_s,
+                                                                             self.jitter_s)
+                    last_due = max(last_due, due)  # in order
+                    queue.append((last_due, data))
+                else:
+                    queue.append((0.0, b""))
+                ready.notify()
+            if not data:
+                return
+
+    @staticmethod
+    def _write(dst: socket.socket, queue: deque, ready: threading.Condition) -> None:
+        while True:
+            with ready:
+                while not queue:
+                    ready.wait(1.0)
+                due, data = queue.popleft()
+            if not data:
+                try:
+                    dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                return
+            time.sleep(max(0.0, due - time.monotonic()))
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+
+
+# ---- one session, run inside a namespace ----------------------------------------------
+
+def client_main(url: str, wav: str, abr: bool, out: str) -> None:
+    """Stream ``wav`` in real time and write what happened, with times, to ``out``."""
+    from cosyvoice.client import StreamingClient, TranscribeError
+
+    with wave.open(wav, "rb") as w:
+        pcm = w.readframes(w.getnframes())
+    client = StreamingClient(url, abr=abr, codec=None if abr else "pcm16")
+    record: dict = {"error": None}
+    started = time.monotonic()
+    try:
+        client.connect(timeout=20)
+        started = time.monotonic()
+        client.stream_pcm(pcm, 16000, pace="realtime", reconnect_timeout=30)
+        if not client.wait_end(60):
+            record["error"] = "no end"
+        client.stop()
+    except (TranscribeError, OSError) as exc:
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+    result = client.result
+    if result.fatal_errors:
+        record["error"] = record["error"] or result.fatal_errors[-1].get("code")
+    record.update(
+        start=started,
+        session=client.session_info.get("codec"),
+        start_bitrate=client.session_info.get("bitrate"),
+        acks=[[t - started, d["seq"]] for t, e, d in result.events
+              if e == "ack" and "seq" in d and "error" not in d],
+        finals=[[t - started, d["end"], d["text"]] for t, e, d in result.events
+                if e == "text" and d["type"] == "final"],
+        switches=[[t - started, e, d] for t, e, d in result.events
+                  if e in ("switch_down", "switch_up")],
+        resumes=result.resumes, text=result.text)
+    with open(out, "w") as f:
+        json.dump(record, f)
+
+
+# ---- a cell ---------------------------------------------------------------------------
+
+@dataclass
+class Judged:
+    """One session's measures, and why it failed (empty: it did not)."""
+
+    why: list[str]
+    lags: list[float]
+    final_latency: list[float]
+    wer: float
+    switches: int
+    on_rung: dict[str, float]
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.why)
+
+
+def wilson(failures: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if not n:
+        return (0.0, 1.0)
+    p = failures / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def judge(record: dict, ref_text: str, baseline_wer: float, seconds: float) -> Judged:
+    """One session's measures and whether it failed (the definition above)."""
+    lags = [t - (seq + 1) * 0.2 for t, seq in record["acks"]]
+    finals = [t - end for t, end, _text in record["finals"]]
+    wer = corpus_wer([ref_text], [record["text"]]) if record["text"] else 1.0
+    why = []
+    if record["error"]:
+        why.append(f"lost: {record['error']}")
+    if any(late > FINAL_LATE_S for late in finals):
+        why.append(f"final {max(finals):.1f} s late")
+    if wer > baseline_wer + WER_MARGIN:
+        why.append(f"WER {wer:.3f}")
+    # audio on each rung: from the start rung through each switch
+    rung = ("opus" + str(record["start_bitrate"] // 1000)
+            if record["session"] == "opus" else "pcm16")
+    on_rung: dict[str, float] = {}
+    at = 0.0
+    for t, _event, data in record["switches"]:
+        t = min(t, seconds)
+        on_rung[rung] = on_rung.get(rung, 0.0) + t - at
+        rung, at = ("opus" + str(data["bitrate"] // 1000)
+                    if data["codec"] == "opus" else "pcm16"), t
+    on_rung[rung] = on_rung.get(rung, 0.0) + max(0.0, seconds - at)
+    return Judged(why, lags, finals, wer, len(record["switches"]), on_rung)
+
+
+def run_cell(stack: Stack, profile: Profile, abr: bool, sessions: int, wav: str,
+             ref_text: str, baseline_wer: float, seconds: float, work: Path) -> dict:
+    outs = [work / f"{profile.name}-{'abr' if abr else 'fixed'}-{i}.json" for i in range(sessions)]
+    with ExitStack() as stack_:
+        links = [stack_.enter_context(slow_link(profile.rate_kbit, index=i, limit="64kb"))
+                 for i in range(sessions)]
+        proxies = [DelayProxy(link.host_ip, stack.port, profile.delay_ms, profile.jitter_ms,
+                              seed=i) for i, link in enumerate(links)]
+        for proxy in proxies:
+            stack_.callback(proxy.close)
+        procs = [link.popen([sys.executable, os.path.abspath(__file__), "--client",
+                             "--url", proxy.url, "--wav", wav, "--out", str(out)]
+                            + (["--abr"] if abr else []), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+                 for link, proxy, out in zip(links, proxies, outs, strict=True)]
+        started = time.monotonic()
+        pending = list(profile.steps)
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() - started > seconds + 60:
+                for p in procs:
+                    p.kill()
+                break
+            while pending and time.monotonic() - started >= pending[0][0]:
+                _at, rate = pending.pop(0)
+                for link in links:
+                    link.set_rate(rate)
+            time.sleep(0.1)
+    judged: list[Judged] = []
+    for out in outs:
+        try:
+            record = json.loads(out.read_text())
+        except (OSError, ValueError):
+            judged.append(Judged(["no record"], [], [], 1.0, 0, {}))
+            continue
+        judged.append(judge(record, ref_text, baseline_wer, seconds))
+    failures = sum(j.failed for j in judged)
+    lags = [x for j in judged for x in j.lags]
+    finals = [x for j in judged for x in j.final_latency]
+    on_rung: dict[str, float] = {}
+    for j in judged:
+        for rung, s in j.on_rung.items():
+            on_rung[rung] = on_rung.get(rung, 0.0) + s
+    total = sum(on_rung.values()) or 1.0
+    return {
+        "profile": profile.name, "mode": "abr" if abr else "fixed PCM", "sessions": sessions,
+        "failures": failures, "failure_ci": wilson(failures, sessions),
+        "lag_p50": percentile(lags, 50), "lag_p95": percentile(lags, 95),
+        "lag_p99": percentile(lags, 99), "final_p95": percentile(finals, 95),
+        "switches_per_session": sum(j.switches for j in judged) / sessions,
+        "on_rung": {r: round(s / total, 3) for r, s in sorted(on_rung.items())},
+        "wer_mean": sum(j.wer for j in judged) / sessions,
+        "why": sorted({w.split(":")[0].split(" ")[0] for j in judged for w in j.why}),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| profile | mode | failed | 95 % CI | chunk lag P50 / P95 / P99 s | final P95 s "
+             "| switches / session | audio per rung | mean WER |", "|" + "---|" * 9]
+    for r in rows:
+        rungs = ", ".join(f"{k} {100 * v:.0f} %" for k, v in r["on_rung"].items() if v)
+        lines.append(
+            f"| {r['profile']} | {r['mode']} | {r['failures']}/{r['sessions']} | "
+            f"{100 * r['failure_ci'][0]:.0f}-{100 * r['failure_ci'][1]:.0f} % | "
+            f"{r['lag_p50']:.2f} / {r['lag_p95']:.2f} / {r['lag_p99']:.2f} | "
+            f"{r['final_p95']:.2f} | {r['switches_per_session']:.1f} | {rungs} | "
+            f"{100 * r['wer_mean']:.1f} % |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profiles", default=",".join(PROFILES))
+    parser.add_argument("--sessions", type=int, default=10)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--wav", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--abr", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        client_main(args.url, args.wav, args.abr, args.out)
+        return
+    if os.geteuid() != 0:
+        sys.exit("benchmarks/abr.py creates network namespaces: run it as root")
+    started = time.monotonic()
+    pcm, ref_text = session_audio(args.seconds)
+    rows: list[dict] = []
+    # A fixed capacity: the decode scheduler's admission would otherwise lower it under the
+    # load of the clients and links this machine also runs, and refuse sessions of a cell.
+    env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0",
+           "COSYVOICE_WORKER_CAPACITY": str(-(-args.sessions // 2))}
+    with tempfile.TemporaryDirectory() as tmp, Stack(processes=2, env=env) as stack:
+        work = Path(tmp)
+        wav = str(work / "session.wav")
+        with wave.open(wav, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(16000)
+            w.writeframes(pcm)
+        from cosyvoice.client import transcribe_pcm
+        baseline = transcribe_pcm(stack.url, pcm, 16000, pace="fast", timeout=120)
+        baseline_wer = corpus_wer([ref_text], [baseline.text])
+        print(f"baseline: {len(pcm) / 32000:.0f} s of audio, PCM over loopback WER "
+              f"{100 * baseline_wer:.1f} %", flush=True)
+        for name in args.profiles.split(","):
+            for abr in (False, True):
+                row = run_cell(stack, PROFILES[name], abr, args.sessions, wav, ref_text,
+                               baseline_wer, args.seconds, work)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(table(rows))
+    print(f"\n{time.monotonic() - started:.0f} s, {machine()}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"machine": machine(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
