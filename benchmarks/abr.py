@@ -4,8 +4,8 @@ Each client runs in a network namespace of its own (``tests/netlink.py``: a veth
 uplink shaped with ``tc tbf``), and reaches the service through an in-order userspace
 proxy on the host's end that adds the profile's one-way delay and jitter to both
 directions (``netem`` does not exist on these machines). The service (embedded Redis, a
-gunicorn gateway, two worker processes admitting half the sessions each, the default
-engine) runs on the host's loopback.
+gunicorn gateway with ``COSYVOICE_ABR`` on, two worker processes admitting half the
+sessions each, the default engine) runs on the host's loopback.
 The ``--sessions`` sessions of one cell run at the same time, each on its own link, each
 streaming the same ``--seconds`` of speech in real time; a cell takes about one session.
 
@@ -58,13 +58,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.stack import Stack, percentile, read_fixture  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
-from cosyvoice.embedded_redis import free_port  # noqa: E402
 from tests.helpers import (  # noqa: E402
     corpus_wer,
     fixture_texts,
     harvard_texts,
     reference_text,
 )
+from tests.netfault import CuttableProxy  # noqa: E402
 from tests.netlink import slow_link  # noqa: E402
 
 FINAL_LATE_S = 3.0
@@ -110,37 +110,22 @@ def session_audio(seconds: float) -> tuple[bytes, str]:
 
 # ---- an in-order delay line -----------------------------------------------------------
 
-class DelayProxy:
+class DelayProxy(CuttableProxy):
     """Listens on ``host`` and forwards to the gateway on loopback, holding every piece of
     data ``delay_ms`` +- ``jitter_ms`` (uniform) in each direction, never out of order."""
 
     def __init__(self, host: str, upstream_port: int, delay_ms: float, jitter_ms: float,
                  seed: int):
-        self.upstream_port = upstream_port
         self.delay_s, self.jitter_s = delay_ms / 1000, jitter_ms / 1000
         self.rng = random.Random(seed)
-        self.port = free_port()
-        self.url = f"http://{host}:{self.port}"
-        self._server = socket.create_server((host, self.port))
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream_port, listen_host=host)
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            except OSError:
-                client.close()
-                continue
-            for a, b in ((client, upstream), (upstream, client)):
-                queue: deque[tuple[float, bytes]] = deque()
-                ready = threading.Condition()
-                threading.Thread(target=self._read, args=(a, queue, ready), daemon=True).start()
-                threading.Thread(target=self._write, args=(b, queue, ready), daemon=True).start()
+    def _bridge(self, client: socket.socket, upstream: socket.socket) -> None:
+        for a, b in ((client, upstream), (upstream, client)):
+            queue: deque[tuple[float, bytes]] = deque()
+            ready = threading.Condition()
+            threading.Thread(target=self._read, args=(a, queue, ready), daemon=True).start()
+            threading.Thread(target=self._write, args=(b, queue, ready), daemon=True).start()
 
     def _read(self, src: socket.socket, queue: deque, ready: threading.Condition) -> None:
         last_due = 0.0
@@ -179,11 +164,6 @@ class DelayProxy:
                 dst.sendall(data)
             except OSError:
                 return
-
-    def close(self) -> None:
-        self._closed = True
-        self._server.close()
-
 
 # ---- one session, run inside a namespace ----------------------------------------------
 
@@ -369,7 +349,7 @@ def main() -> None:
     rows: list[dict] = []
     # A fixed capacity: the decode scheduler's admission would otherwise lower it under the
     # load of the clients and links this machine also runs, and refuse sessions of a cell.
-    env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0",
+    env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0", "COSYVOICE_ABR": "true",
            "COSYVOICE_WORKER_CAPACITY": str(-(-args.sessions // 2))}
     with tempfile.TemporaryDirectory() as tmp, Stack(processes=2, env=env) as stack:
         work = Path(tmp)

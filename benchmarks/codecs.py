@@ -28,12 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,6 +41,7 @@ from cosyvoice.asr import capacity_of  # noqa: E402
 from cosyvoice.client import transcribe_pcm  # noqa: E402
 from cosyvoice.settings import Settings  # noqa: E402
 from tests.helpers import corpus_wer, fixture_texts, harvard_texts, reference_text  # noqa: E402
+from tests.stack import scrape  # noqa: E402
 
 LONG = ("harvard_long", "long_unbroken")
 
@@ -55,12 +53,10 @@ def recordings() -> dict[str, str]:
 
 def gateway_audio(url: str) -> dict[str, tuple[float, float]]:
     """codec -> (payload bytes, audio seconds) the gateway has stored so far."""
-    text = requests.get(url + "/metrics", timeout=10).text
-    out: dict[str, list[float]] = {}
-    for kind, codec, value in re.findall(
-            r'^cosyvoice_audio_(bytes|seconds)_total\{codec="(\w+)"\} (\S+)$', text, re.M):
-        out.setdefault(codec, [0.0, 0.0])[0 if kind == "bytes" else 1] += float(value)
-    return {codec: (b, s) for codec, (b, s) in out.items()}
+    m = scrape(url + "/metrics")
+    return {codec: (m[f'cosyvoice_audio_bytes_total{{codec="{codec}"}}'],
+                    m[f'cosyvoice_audio_seconds_total{{codec="{codec}"}}'])
+            for codec in codecs.CODECS}
 
 
 def run_rung(stack: Stack, refs: dict[str, str], codec: str, bitrate: int,

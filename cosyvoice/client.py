@@ -199,31 +199,6 @@ class Transcript:
         return [e for e in self.errors if e.get("code") not in RETRYABLE]
 
 
-class Encodings:
-    """A recording's 200 ms chunks at each rung, encoded as they are first sent: PCM as
-    cut; Opus by one encoder per bitrate, fed chunk after chunk from where the stream went
-    at that bitrate (a switch starts it there, as a live encoder would be; a gap starts it
-    anew), the last chunk with the encoder's flush. Every chunk is kept as encoded, so a
-    resend after a reconnect sends the same packets."""
-
-    def __init__(self, pcm: list[bytes]):
-        self.pcm = pcm
-        self._encoders: dict[int, tuple[codecs.OpusEncoder, int]] = {}  # bitrate -> (it, next seq)
-        self._opus: dict[tuple[int, int], list[bytes]] = {}
-
-    def opus(self, seq: int, bitrate: int) -> list[bytes]:
-        if (bitrate, seq) not in self._opus:
-            encoder, following = self._encoders.get(bitrate, (None, -1))
-            if encoder is None or following != seq:
-                encoder = codecs.OpusEncoder(bitrate)
-            packets = encoder.encode(self.pcm[seq])
-            if seq == len(self.pcm) - 1:
-                packets += encoder.flush()
-            self._encoders[bitrate] = (encoder, seq + 1)
-            self._opus[bitrate, seq] = packets
-        return self._opus[bitrate, seq]
-
-
 class StreamingClient:
     """One session over one (re)connecting Socket.IO client."""
 
@@ -480,17 +455,17 @@ class StreamingClient:
         whatever the server asks for again, until the last chunk is acknowledged.
 
         With codec opus, or with ``abr``, the recording is resampled to 16 kHz if it is
-        not; each chunk goes at the rung in use when it is sent (``Encodings``), and a
+        not; each chunk goes at the rung in use when it is sent
+        (``codecs.Encodings``), and a
         resent chunk as it was encoded."""
         if (self.codec == codecs.OPUS or self.abr) and rate != codecs.RATE:
             pcm, rate = resample(pcm, rate, codecs.RATE), codecs.RATE
         self.connect_wait(reconnect_timeout)
-        chunks = Encodings(split_chunks(pcm, rate))
+        chunks = codecs.Encodings(split_chunks(pcm, rate))
         total = len(chunks.pcm)
         start = time.monotonic()
         while not self._done.is_set():
-            if not self._ready.wait(reconnect_timeout):
-                raise Unreachable("the connection was lost and not restored")
+            self.connect_wait(reconnect_timeout)
             with self._lock:
                 if self.window.done(total):
                     return

@@ -247,19 +247,40 @@ class OpusDecoder:
         return pcm[2 * cut:]
 
 
+class Encodings:
+    """A recording's 200 ms chunks at each rung, encoded as they are first sent: PCM as
+    cut; Opus by one encoder per bitrate, fed chunk after chunk from where the stream went
+    at that bitrate (a switch starts it there, as a live encoder would be; a gap starts it
+    anew), the last chunk with the encoder's flush. Every chunk is kept as encoded, so a
+    resend after a reconnect sends the same packets."""
+
+    def __init__(self, pcm: list[bytes]):
+        self.pcm = pcm
+        self._encoders: dict[int, tuple[OpusEncoder, int]] = {}  # bitrate: it, next seq
+        self._opus: dict[tuple[int, int], list[bytes]] = {}
+
+    def opus(self, seq: int, bitrate: int) -> list[bytes]:
+        if (bitrate, seq) not in self._opus:
+            encoder, following = self._encoders.get(bitrate, (None, -1))
+            if encoder is None or following != seq:
+                encoder = OpusEncoder(bitrate)
+            packets = encoder.encode(self.pcm[seq])
+            if seq == len(self.pcm) - 1:
+                packets += encoder.flush()
+            self._encoders[bitrate] = (encoder, seq + 1)
+            self._opus[bitrate, seq] = packets
+        return self._opus[bitrate, seq]
+
+
 def opus_chunks(pcm: bytes, bitrate: int) -> list[list[bytes]]:
-    """16 kHz PCM as 200 ms chunks of Opus packets (``PACKETS_PER_CHUNK`` each): how a
-    client that holds the whole recording sends it. As many chunks as the PCM makes (chunk
-    ``k`` holds the same audio as PCM chunk ``k``, so a client may switch codec between
-    two chunks); the encoder's last packets (the padded partial frame and its look-ahead)
-    go with the last one. Encoded once, the chunks are resent as they are after a
-    reconnect."""
-    encoder = OpusEncoder(bitrate)
-    packets = encoder.encode(pcm) + encoder.flush()
-    count = max(1, -(-len(pcm) // (2 * FRAME_SAMPLES * PACKETS_PER_CHUNK)))
-    at = PACKETS_PER_CHUNK * (count - 1)
-    return [packets[k:k + PACKETS_PER_CHUNK]
-            for k in range(0, at, PACKETS_PER_CHUNK)] + [packets[at:]]
+    """16 kHz PCM as 200 ms chunks of Opus packets (``PACKETS_PER_CHUNK`` each), all at
+    one bitrate: as many chunks as the PCM makes, chunk ``k`` holding the audio of PCM
+    chunk ``k``, the encoder's last packets (the padded partial frame and its look-ahead)
+    with the last one."""
+    from .audio import split_chunks  # not at import: audio imports the protocol, which imports this
+
+    encodings = Encodings(split_chunks(pcm, RATE))
+    return [encodings.opus(seq, bitrate) for seq in range(len(encodings.pcm))]
 
 
 def parse_bitrate(text: str) -> int:

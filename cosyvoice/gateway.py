@@ -136,6 +136,8 @@ class Gateway:
         self.connections: dict[str, Connection] = {}
         # Session modes the workers' engine offers (auth ``mode``); the first is the default.
         self.modes = ENGINES[settings.engine].modes
+        # the rungs a client that follows switches moves between (fixed by the settings)
+        self.rungs = abr.rungs_for(settings.accepted_codecs, settings.opus_bitrate_list)
 
     def register(self) -> None:
         on = self.socketio.on
@@ -211,7 +213,7 @@ class Gateway:
         """A client that follows switches starts on the rung it asked for (else the highest),
         or lower where its network hint says the link is slower (the session event names
         the rung), and gets an estimator."""
-        rungs = abr.rungs_for(self.settings.accepted_codecs, self.settings.opus_bitrate_list)
+        rungs = self.rungs
         if len(rungs) < 2:
             return  # one rung: nothing to switch between
         asked = abr.rung_for(req.codec, conn.bitrate or 0, rungs) if req.codec else None

@@ -31,11 +31,19 @@ class CuttableProxy:
                 client, _ = self._server.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                client.close()
+                continue
             with self._lock:
                 self._conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            self._bridge(client, upstream)
+
+    def _bridge(self, client: socket.socket, upstream: socket.socket) -> None:
+        """Carry each direction of a new connection (a subclass may delay it)."""
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     @staticmethod
     def _pump(src: socket.socket, dst: socket.socket) -> None:

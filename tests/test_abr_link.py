@@ -7,17 +7,16 @@ The full table, over more links and sessions, is ``benchmarks/abr.py``'s."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 import wave
 
 import pytest
-import requests
 
 from .helpers import ROOT, corpus_wer, harvard_texts, read_pcm
 from .netfault import CuttableProxy
 from .netlink import slow_link
+from .stack import scrape
 
 pytestmark = pytest.mark.system
 
@@ -53,10 +52,8 @@ def text_of(events: list[dict]) -> str:
 
 
 def _switches(url: str) -> float:
-    metrics = requests.get(url + "/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(
-        r'^cosyvoice_abr_switches_total\{direction="down",reason="congestion"\} (\S+)$',
-        metrics, re.M))
+    return scrape(url + "/metrics").get(
+        'cosyvoice_abr_switches_total{direction="down",reason="congestion"}', 0.0)
 
 
 def test_on_a_150_kbit_link_fixed_pcm_falls_behind_and_abr_keeps_up(link, service, tmp_path):

@@ -21,7 +21,6 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
-import requests
 from playwright.sync_api import ConsoleMessage, Page, ViewportSize, expect, sync_playwright
 
 from cosyvoice import keys, tokens
@@ -42,6 +41,7 @@ from .helpers import (
 )
 from .netfault import CuttableProxy
 from .netlink import slow_link
+from .stack import scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -176,9 +176,10 @@ def test_speech_into_the_page_microphone_shows_its_transcript(service, artifacts
 
 
 def _stored_audio_s(url: str) -> dict[str, float]:
-    text = requests.get(url + "/metrics", timeout=10).text
-    return {codec: float(v) for codec, v in re.findall(
-        r'^cosyvoice_audio_seconds_total\{codec="(\w+)"\} (\S+)$', text, re.M)}
+    """Seconds of audio the gateway stored so far, by codec."""
+    m = scrape(url + "/metrics")
+    return {codec: m[f'cosyvoice_audio_seconds_total{{codec="{codec}"}}']
+            for codec in ("pcm16", "opus")}
 
 
 def test_the_page_sends_pcm_when_its_address_asks(service, tmp_path):

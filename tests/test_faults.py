@@ -74,9 +74,9 @@ def fault_service(request, artifacts):
     svc.stop()
 
 
-@pytest.fixture(scope="module")
-def reference(fault_service):
-    client = StreamingClient(fault_service.url)
+def _unfaulted(service_url: str, **client_args):
+    """The speech's finals, stripped, from a run without a fault."""
+    client = StreamingClient(service_url, **client_args)
     client.connect()
     client.stream_pcm(speech(), 16000, pace="fast")
     assert client.wait_end(30)
@@ -84,6 +84,11 @@ def reference(fault_service):
     client.close()
     assert len(client.result.finals) == 2
     return strip(client.result.finals)
+
+
+@pytest.fixture(scope="module")
+def reference(fault_service):
+    return _unfaulted(fault_service.url)
 
 
 def stream_with(service_url, fault, at_s: float, pace="realtime", **client_args):
@@ -190,16 +195,8 @@ def redis_client_for():
 def test_killed_worker_mid_utterance_is_invisible_to_the_client(fault_service, reference,
                                                                 redis_client_for):
     rds = redis_client_for(fault_service)
-    killed = []
-
-    def kill_owner():
-        owners = [k for k in [rds.get(keys.lease_key(s)) for s in _open_sessions(rds)] if k]
-        for owner in owners:
-            pid = int(owner.decode().split("-")[-2])
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-    result = stream_with(fault_service.url, kill_owner, at_s=2.6)
+    killed: list[int] = []
+    result = stream_with(fault_service.url, lambda: _kill_owners(rds, killed), at_s=2.6)
     assert killed, "a worker process was killed mid-stream"
     assert strip(result.finals) == reference
     assert [f["utterance"] for f in result.finals] == [0, 1]
@@ -210,14 +207,7 @@ def test_killed_worker_mid_utterance_is_invisible_to_the_client(fault_service, r
 @pytest.fixture(scope="module")
 def opus_reference(fault_service):
     """The speech as Opus at 24 kbit/s, without a fault."""
-    client = StreamingClient(fault_service.url, codec="opus", bitrate=24000)
-    client.connect()
-    client.stream_pcm(speech(), 16000, pace="fast")
-    assert client.wait_end(30)
-    client.stop()
-    client.close()
-    assert len(client.result.finals) == 2
-    return strip(client.result.finals)
+    return _unfaulted(fault_service.url, codec="opus", bitrate=24000)
 
 
 @ONE_REDIS
@@ -226,18 +216,21 @@ def test_killed_worker_on_an_opus_session_is_invisible_to_the_client(
     """The next owner decodes the Opus audio before the checkpoint again (its decoder's
     state), so its finals equal the lost worker's."""
     rds = redis_client_for(fault_service)
-    killed = []
-
-    def kill_owner():
-        for owner in [rds.get(keys.lease_key(s)) for s in _open_sessions(rds)]:
-            if owner:
-                os.kill(int(owner.decode().split("-")[-2]), signal.SIGKILL)
-                killed.append(owner)
-
-    result = stream_with(fault_service.url, kill_owner, at_s=2.6, codec="opus", bitrate=24000)
+    killed: list[int] = []
+    result = stream_with(fault_service.url, lambda: _kill_owners(rds, killed), at_s=2.6,
+                         codec="opus", bitrate=24000)
     assert killed, "a worker process was killed mid-stream"
     assert strip(result.finals) == opus_reference
     wait_for(lambda: len(busmod.Bus(rds).live_workers()) >= 2, timeout=30)
+
+
+def _kill_owners(rds, killed: list[int]) -> None:
+    """SIGKILL the worker process that holds each open session's lease."""
+    owners = [k for k in [rds.get(keys.lease_key(s)) for s in _open_sessions(rds)] if k]
+    for owner in owners:
+        pid = int(owner.decode().split("-")[-2])
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
 
 
 def _open_sessions(rds) -> list[str]:

@@ -5,13 +5,11 @@ of audio costs on the wire, and a corrupt packet in the middle of a session."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 import socketio
 
 from cosyvoice import codecs
@@ -30,6 +28,7 @@ from .helpers import (
     read_pcm,
 )
 from .launcher import wait_for
+from .stack import scrape
 
 pytestmark = pytest.mark.system
 
@@ -97,18 +96,16 @@ def test_every_fixture_as_opus_within_the_rungs_bound(runs, rung):
         {n: results[(rung, n)].text for n in TEXTS})
 
 
-def _audio_metrics(url: str) -> dict[str, float]:
-    text = requests.get(url + "/metrics", timeout=10).text
-    return {f"{kind}_{codec}": float(value) for kind, codec, value in re.findall(
-        r'^cosyvoice_audio_(bytes|seconds)_total\{codec="(\w+)"\} (\S+)$', text, re.M)}
-
-
 def test_a_second_of_opus_costs_under_a_seventh_of_pcms_bytes(runs):
     """Measured at the gateway: the payloads it stored over the audio they held."""
     _engine, svc, _results = runs
-    m = _audio_metrics(svc.url)
-    pcm = m["bytes_pcm16"] / m["seconds_pcm16"]
-    opus = m["bytes_opus"] / m["seconds_opus"]
+    m = scrape(svc.url + "/metrics")
+
+    def per_second(codec: str) -> float:
+        return (m[f'cosyvoice_audio_bytes_total{{codec="{codec}"}}']
+                / m[f'cosyvoice_audio_seconds_total{{codec="{codec}"}}'])
+
+    pcm, opus = per_second("pcm16"), per_second("opus")
     assert 32000 <= pcm < 32000 * 1.02  # 16-bit samples at 16 kHz and the envelope
     assert opus < pcm / 7, (opus, pcm)
 
