@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,6 +42,21 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
 
+def _no_ipv6(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, timeout=10)
+
+
+def _wait_up(show: list[str], timeout: float = 10.0) -> None:
+    """Until the link ``show`` lists has its carrier (``state UP``): a client started
+    before would see the network change under it."""
+    deadline = time.monotonic() + timeout
+    while "state UP" not in subprocess.run(show, capture_output=True, text=True,
+                                           timeout=10).stdout:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{' '.join(show)}: not up within {timeout:g} s")
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def slow_link(rate_kbit: int, index: int = 0, burst: str = "4kb",
               limit: str = "48kb") -> Iterator[Link]:
@@ -54,6 +70,12 @@ def slow_link(rate_kbit: int, index: int = 0, burst: str = "4kb",
     try:
         _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
         _ip("link", "set", ns_if, "netns", namespace)
+        # IPv4 only: an IPv6 link-local address that appears after duplicate address
+        # detection is a network change, on which Chromium aborts the page's loads
+        _no_ipv6(["sh", "-c", f"echo 1 > /proc/sys/net/ipv6/conf/{host_if}/disable_ipv6"])
+        _no_ipv6(["ip", "netns", "exec", namespace, "sh", "-c",
+                  "for c in all default lo; do "
+                  "echo 1 > /proc/sys/net/ipv6/conf/$c/disable_ipv6; done"])
         _ip("addr", "add", f"{host_ip}/30", "dev", host_if)
         _ip("link", "set", host_if, "up")
         _ip("-n", namespace, "addr", "add", f"{client_ip}/30", "dev", ns_if)
@@ -62,6 +84,8 @@ def slow_link(rate_kbit: int, index: int = 0, burst: str = "4kb",
         subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", ns_if, "root", "tbf",
                         "rate", f"{rate_kbit}kbit", "burst", burst, "limit", limit],
                        check=True, capture_output=True, timeout=10)
+        _wait_up(["ip", "-o", "link", "show", "dev", host_if])
+        _wait_up(["ip", "-n", namespace, "-o", "link", "show", "dev", ns_if])
         yield Link(namespace, host_ip, client_ip, ns_if, burst, limit)
     finally:
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)
