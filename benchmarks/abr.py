@@ -20,7 +20,7 @@ Failure, defined before measuring: a session fails when
   the wire in docs/benchmarks.md).
 
 Per cell: failures with a 95 % Wilson interval, chunk lag (from when a chunk's audio was
-captured to its ack) P50/P95/P99, final latency P95, switches per session and the share of
+captured to its ack) P50/P95/P99, final latency P50 and P95, switches per session and the share of
 audio on each rung.
 
 Profiles (``--profiles``, all by default): ``control`` 1 Mbit/s and 150 +- 50 ms;
@@ -29,10 +29,13 @@ a constant 150 kbit/s (80 ms); ``slow3g`` 400 kbit/s with a 2 s round trip; ``ed
 64 kbit/s (80 ms), to state the limit.
 
     python benchmarks/abr.py [--profiles control,step,slow,slow3g,edge] [--sessions 10]
-        [--seconds 60] [--json-out F]
+        [--seconds 60] [--modes fixed,abr] [--records DIR] [--json-out F]
 
-The whole table (five profiles, two modes) takes about 13 minutes: a client still
-streaming 60 s after its audio ended is stopped and counts as failed.
+The whole table (five profiles, two modes) takes about 13 minutes. A client still
+streaming 30 s after its audio ended is stopped (SIGTERM: it writes what it got, and counts
+as failed); before each cell the workers must have released the last cell's sessions, so
+cells do not share the service's capacity or CPU. ``--records`` keeps every session's
+record (acks, finals and switches with their times).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import json
 import math
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -49,7 +53,7 @@ import tempfile
 import threading
 import time
 import wave
-from collections import deque
+from collections import Counter, deque
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,8 +70,15 @@ from tests.helpers import (  # noqa: E402
 )
 from tests.netfault import CuttableProxy  # noqa: E402
 from tests.netlink import slow_link  # noqa: E402
+from tests.stack import scrape  # noqa: E402
 
 FINAL_LATE_S = 3.0
+# A client still streaming this long after its audio ended is stopped (and has failed: its
+# finals are far more than FINAL_LATE_S late).
+GRACE_S = 30.0
+# Before a cell, the sessions of the last one must be gone from the workers (a stopped
+# client's session waits out COSYVOICE_SESSION_GRACE_S for a resume): at most this long.
+IDLE_TIMEOUT_S = 60.0
 WER_MARGIN = 0.05
 GAP_S = 0.6
 
@@ -167,10 +178,20 @@ class DelayProxy(CuttableProxy):
 
 # ---- one session, run inside a namespace ----------------------------------------------
 
+class Stopped(Exception):
+    """The run's grace period ran out (SIGTERM) before the session ended."""
+
+
+def _stop(_signum, _frame) -> None:
+    raise Stopped("stopped: still streaming at the run's deadline")
+
+
 def client_main(url: str, wav: str, abr: bool, out: str) -> None:
-    """Stream ``wav`` in real time and write what happened, with times, to ``out``."""
+    """Stream ``wav`` in real time and write what happened, with times, to ``out`` (also
+    when stopped by SIGTERM at the run's deadline: what it got until then, and why)."""
     from cosyvoice.client import StreamingClient, TranscribeError
 
+    signal.signal(signal.SIGTERM, _stop)
     with wave.open(wav, "rb") as w:
         pcm = w.readframes(w.getnframes())
     client = StreamingClient(url, abr=abr, codec=None if abr else "pcm16")
@@ -183,10 +204,14 @@ def client_main(url: str, wav: str, abr: bool, out: str) -> None:
         if not client.wait_end(60):
             record["error"] = "no end"
         client.stop()
-    except (TranscribeError, OSError) as exc:
+    except (TranscribeError, OSError, Stopped) as exc:
         record["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        client.close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - the record matters more than a clean close
+            pass
     result = client.result
     if result.fatal_errors:
         record["error"] = record["error"] or result.fatal_errors[-1].get("code")
@@ -258,6 +283,31 @@ def judge(record: dict, ref_text: str, baseline_wer: float, seconds: float) -> J
     return Judged(why, lags, finals, wer, len(record["switches"]), on_rung)
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM (a client writes its record and exits), then SIGKILL after 15 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 15
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def wait_idle(stack: Stack, timeout: float = IDLE_TIMEOUT_S) -> float:
+    """Until the workers decode no session (the last cell's are released); the wait."""
+    assert stack.pool.metrics_url is not None
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if not scrape(stack.pool.metrics_url).get("cosyvoice_worker_sessions", 0):
+            break
+        time.sleep(1.0)
+    return time.monotonic() - started
+
+
 def run_cell(stack: Stack, profile: Profile, abr: bool, sessions: int, wav: str,
              ref_text: str, baseline_wer: float, seconds: float, work: Path) -> dict:
     outs = [work / f"{profile.name}-{'abr' if abr else 'fixed'}-{i}.json" for i in range(sessions)]
@@ -276,9 +326,8 @@ def run_cell(stack: Stack, profile: Profile, abr: bool, sessions: int, wav: str,
         started = time.monotonic()
         pending = list(profile.steps)
         while any(p.poll() is None for p in procs):
-            if time.monotonic() - started > seconds + 60:
-                for p in procs:
-                    p.kill()
+            if time.monotonic() - started > seconds + GRACE_S:
+                stop_all(procs)
                 break
             while pending and time.monotonic() - started >= pending[0][0]:
                 _at, rate = pending.pop(0)
@@ -305,24 +354,31 @@ def run_cell(stack: Stack, profile: Profile, abr: bool, sessions: int, wav: str,
         "profile": profile.name, "mode": "abr" if abr else "fixed PCM", "sessions": sessions,
         "failures": failures, "failure_ci": wilson(failures, sessions),
         "lag_p50": percentile(lags, 50), "lag_p95": percentile(lags, 95),
-        "lag_p99": percentile(lags, 99), "final_p95": percentile(finals, 95),
+        "lag_p99": percentile(lags, 99), "final_p50": percentile(finals, 50),
+        "final_p95": percentile(finals, 95),
         "switches_per_session": sum(j.switches for j in judged) / sessions,
         "on_rung": {r: round(s / total, 3) for r, s in sorted(on_rung.items())},
         "wer_mean": sum(j.wer for j in judged) / sessions,
-        "why": sorted({w.split(":")[0].split(" ")[0] for j in judged for w in j.why}),
+        # sessions failed for each cause (a session may have several)
+        "why": dict(sorted(Counter(cause for j in judged
+                                   for cause in {w.split(":")[0].split(" ")[0]
+                                                 for w in j.why}).items())),
     }
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| profile | mode | failed | 95 % CI | chunk lag P50 / P95 / P99 s | final P95 s "
-             "| switches / session | audio per rung | mean WER |", "|" + "---|" * 9]
+    lines = ["| profile | mode | failed | 95 % CI | why | chunk lag P50 / P95 / P99 s "
+             "| final P50 / P95 s | switches / session | audio per rung | mean WER |",
+             "|" + "---|" * 10]
     for r in rows:
         rungs = ", ".join(f"{k} {100 * v:.0f} %" for k, v in r["on_rung"].items() if v)
         lines.append(
             f"| {r['profile']} | {r['mode']} | {r['failures']}/{r['sessions']} | "
             f"{100 * r['failure_ci'][0]:.0f}-{100 * r['failure_ci'][1]:.0f} % | "
+            f"{', '.join(f'{k} {n}' for k, n in r['why'].items()) or '-'} | "
             f"{r['lag_p50']:.2f} / {r['lag_p95']:.2f} / {r['lag_p99']:.2f} | "
-            f"{r['final_p95']:.2f} | {r['switches_per_session']:.1f} | {rungs} | "
+            f"{r['final_p50']:.2f} / {r['final_p95']:.2f} | "
+            f"{r['switches_per_session']:.1f} | {rungs} | "
             f"{100 * r['wer_mean']:.1f} % |")
     return "\n".join(lines)
 
@@ -332,6 +388,10 @@ def main() -> None:
     parser.add_argument("--profiles", default=",".join(PROFILES))
     parser.add_argument("--sessions", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--modes", default="fixed,abr",
+                        help="fixed (PCM, no switching), abr, or both")
+    parser.add_argument("--records", default=None,
+                        help="a folder to keep every session's record in")
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -351,8 +411,10 @@ def main() -> None:
     # load of the clients and links this machine also runs, and refuse sessions of a cell.
     env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0", "COSYVOICE_ABR": "true",
            "COSYVOICE_WORKER_CAPACITY": str(-(-args.sessions // 2))}
-    with tempfile.TemporaryDirectory() as tmp, Stack(processes=2, env=env) as stack:
-        work = Path(tmp)
+    with (tempfile.TemporaryDirectory() as tmp,
+          Stack(processes=2, env=env, metrics=True) as stack):
+        work = Path(args.records or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         wav = str(work / "session.wav")
         with wave.open(wav, "wb") as w:
             w.setnchannels(1)
@@ -365,7 +427,11 @@ def main() -> None:
         print(f"baseline: {len(pcm) / 32000:.0f} s of audio, PCM over loopback WER "
               f"{100 * baseline_wer:.1f} %", flush=True)
         for name in args.profiles.split(","):
-            for abr in (False, True):
+            for abr in [mode == "abr" for mode in args.modes.split(",")]:
+                waited = wait_idle(stack)
+                if waited > 2:
+                    print(f"waited {waited:.0f} s for the last cell's sessions to go",
+                          flush=True)
                 row = run_cell(stack, PROFILES[name], abr, args.sessions, wav, ref_text,
                                baseline_wer, args.seconds, work)
                 rows.append(row)

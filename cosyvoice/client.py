@@ -133,6 +133,11 @@ class SendWindow:
     pause_until: float = 0.0
     limit: int = MAX_IN_FLIGHT  # chunks sent and not acknowledged, beyond the round trip
     min_rtt_s: float | None = None
+    # Until the first ack: how long the connection's handshake took, at least one round trip
+    # (about two), so a long path does not stall the first round trip's chunks and then
+    # send them in one burst (which a narrow link would queue, and adaptive bitrate read
+    # as congestion).
+    handshake_s: float | None = None
 
     def start(self, next_seq: int) -> None:
         """A ``session`` event: the server has every chunk before ``next_seq``."""
@@ -146,7 +151,8 @@ class SendWindow:
     @property
     def in_flight(self) -> int:
         """Chunks that may be sent and not acknowledged now."""
-        return self.limit + math.floor((self.min_rtt_s or 0.0) * 1000 / CHUNK_MS)
+        rtt_s = self.min_rtt_s if self.min_rtt_s is not None else self.handshake_s
+        return self.limit + math.floor((rtt_s or 0.0) * 1000 / CHUNK_MS)
 
     def rewind(self, seq: int, now: float, pause_s: float = 0.0) -> None:
         """Send again from ``seq`` (the server asked for it), after ``pause_s``."""
@@ -230,6 +236,7 @@ class StreamingClient:
         self._done = threading.Event()  # end, or a fatal error
         self._refused = threading.Event()  # the last connection attempt was refused
         self._connect_failure = ""  # why the last attempt failed below the protocol
+        self._connect_started: float | None = None  # when connect() began its attempt
         self._ssl_verify = ssl_verify
         # Every handler runs on one of python-engineio's threads: ``result``, ``sent_at``,
         # ``window`` (the send rule) and the private state change only under ``_lock``.
@@ -289,6 +296,9 @@ class StreamingClient:
                 # the rung the server starts (or resumes) the session on
                 self.codec, self.bitrate = data["codec"], data.get("bitrate") or 0
             self.window.start(data["next_seq"])
+            if self._connect_started is not None:
+                self.window.handshake_s = time.monotonic() - self._connect_started
+                self._connect_started = None
             # a short window only where the server switches this session
             self.window.limit = ABR_IN_FLIGHT if self.abr and data.get("abr") else MAX_IN_FLIGHT
             self._lock.notify_all()
@@ -374,6 +384,7 @@ class StreamingClient:
         for attempt in range(overload_retries + 1):
             self._refused.clear()
             self._connect_failure = ""
+            self._connect_started = time.monotonic()
             try:
                 self.sio.connect(self.url, namespaces=[NAMESPACE], transports=["websocket"],
                                  auth=self._auth, headers=self.headers, wait_timeout=timeout)

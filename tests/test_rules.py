@@ -306,6 +306,19 @@ def test_a_window_that_follows_switches_keeps_a_second_beyond_the_round_trip():
     assert w.in_flight == ABR_IN_FLIGHT + 10
 
 
+def test_until_the_first_ack_the_handshake_stands_in_for_the_round_trip():
+    # a 2 s round trip: the handshake took two of them; the first ack's round trip then rules
+    w = SendWindow(limit=ABR_IN_FLIGHT, handshake_s=4.1)
+    w.start(0)
+    assert w.in_flight == ABR_IN_FLIGHT + 20
+    for seq in range(10):  # the first round trip's chunks go as they are captured
+        assert w.wait(100, now=seq * 0.2, start=0.0, realtime=True) <= 0
+        assert w.take() == seq
+    w.ack(0, rtt_s=2.0)
+    assert w.in_flight == ABR_IN_FLIGHT + 10
+    assert SendWindow(limit=ABR_IN_FLIGHT).in_flight == ABR_IN_FLIGHT  # neither known
+
+
 def test_the_window_rewinds_pauses_and_resumes_where_the_server_says():
     w = SendWindow()
     for _ in range(5):

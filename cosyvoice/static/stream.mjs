@@ -47,6 +47,10 @@ export class SpeechStream {
     this.announcedRate = null; // rate last sent explicitly on this connection
     this.ready = false; // a `session` event arrived on the current connection
     this.minRttMs = null; // the shortest chunk-to-ack time seen
+    // Until the first ack, the handshake's time stands in for the round trip (it takes about
+    // two), so a long path neither stalls the first chunks nor sends them in one burst.
+    this.openedAt = null;
+    this.handshakeMs = null;
     this.sentAt = new Map(); // seq -> performance.now() when sent, for latency
     this.seenFinals = new Set();
     this.ended = false;
@@ -56,6 +60,7 @@ export class SpeechStream {
 
   open() {
     this.on.state("connecting");
+    this.openedAt = performance.now();
     const socket = globalThis.io(NAMESPACE, {
       transports: ["websocket"],
       forceNew: true,
@@ -127,6 +132,10 @@ export class SpeechStream {
       id: data.session, rate: data.sample_rate, chunkMs: data.chunk_ms, limits: data.limits,
       codec: data.codec, bitrate: data.bitrate, abr: Boolean(data.abr),
     };
+    if (this.openedAt !== null) {
+      this.handshakeMs = performance.now() - this.openedAt;
+      this.openedAt = null;
+    }
     this.ready = true;
     this.announcedRate = null;
     this.on.session(this.session, kind);
@@ -153,7 +162,7 @@ export class SpeechStream {
   pump() {
     if (!this.ready || !this.socket.connected) return;
     let inFlight = this.pending.filter((c) => c.sent).length;
-    const limit = ABR_IN_FLIGHT + Math.floor((this.minRttMs ?? 0) / 200);
+    const limit = ABR_IN_FLIGHT + Math.floor((this.minRttMs ?? this.handshakeMs ?? 0) / 200);
     for (const c of this.pending) {
       if (c.sent) continue;
       if (this.abr && this.session.abr && inFlight >= limit) break;
