@@ -4,8 +4,8 @@ Each client runs in a network namespace of its own (``tests/netlink.py``: a veth
 uplink shaped with ``tc tbf``), and reaches the service through an in-order userspace
 proxy on the host's end that adds the profile's one-way delay and jitter to both
 directions (``netem`` does not exist on these machines). The service (embedded Redis, a
-gunicorn gateway with ``COSYVOICE_ABR`` on, two worker processes admitting half the
-sessions each, the default engine) runs on the host's loopback.
+gunicorn gateway with the default settings, ``COSYVOICE_ABR`` on among them, two worker
+processes admitting half the sessions each, the default engine) runs on the host's loopback.
 The ``--sessions`` sessions of one cell run at the same time, each on its own link, each
 streaming the same ``--seconds`` of speech in real time; a cell takes about one session.
 
@@ -29,7 +29,7 @@ a constant 150 kbit/s (80 ms); ``slow3g`` 400 kbit/s with a 2 s round trip; ``ed
 64 kbit/s (80 ms), to state the limit.
 
     python benchmarks/abr.py [--profiles control,step,slow,slow3g,edge] [--sessions 10]
-        [--seconds 60] [--modes fixed,abr] [--records DIR] [--json-out F]
+        [--seconds 60] [--modes fixed,abr] [--engine NAME] [--records DIR] [--json-out F]
 
 The whole table (five profiles, two modes) takes about 13 minutes. A client still
 streaming 30 s after its audio ended is stopped (SIGTERM: it writes what it got, and counts
@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.stack import Stack, percentile, read_fixture  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
+from cosyvoice.settings import Settings  # noqa: E402
 from tests.helpers import (  # noqa: E402
     corpus_wer,
     fixture_texts,
@@ -388,6 +389,8 @@ def main() -> None:
     parser.add_argument("--profiles", default=",".join(PROFILES))
     parser.add_argument("--sessions", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--engine", default=None,
+                        help="COSYVOICE_ENGINE for the service (default: the service's own)")
     parser.add_argument("--modes", default="fixed,abr",
                         help="fixed (PCM, no switching), abr, or both")
     parser.add_argument("--records", default=None,
@@ -409,8 +412,10 @@ def main() -> None:
     rows: list[dict] = []
     # A fixed capacity: the decode scheduler's admission would otherwise lower it under the
     # load of the clients and links this machine also runs, and refuse sessions of a cell.
-    env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0", "COSYVOICE_ABR": "true",
+    env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0",
            "COSYVOICE_WORKER_CAPACITY": str(-(-args.sessions // 2))}
+    if args.engine:
+        env["COSYVOICE_ENGINE"] = args.engine
     with (tempfile.TemporaryDirectory() as tmp,
           Stack(processes=2, env=env, metrics=True) as stack):
         work = Path(args.records or tmp)
@@ -424,7 +429,8 @@ def main() -> None:
         from cosyvoice.client import transcribe_pcm
         baseline = transcribe_pcm(stack.url, pcm, 16000, pace="fast", timeout=120)
         baseline_wer = corpus_wer([ref_text], [baseline.text])
-        print(f"baseline: {len(pcm) / 32000:.0f} s of audio, PCM over loopback WER "
+        engine = env.get("COSYVOICE_ENGINE") or Settings().engine
+        print(f"{engine}, baseline: {len(pcm) / 32000:.0f} s of audio, PCM over loopback WER "
               f"{100 * baseline_wer:.1f} %", flush=True)
         for name in args.profiles.split(","):
             for abr in [mode == "abr" for mode in args.modes.split(",")]:

@@ -188,6 +188,12 @@ class Config:
     # Chunks in a row above high_delay_ms before switching down (600 ms of audio): one late
     # chunk or a jitter spike never switches.
     debounce_chunks: int = 3
+    # ... and the first and last of that run sent at least this far apart (two chunks' time).
+    # A client whose acks came late (on a slow uplink the TCP acknowledgements of the
+    # downlink wait in the same queue) sends what waited in one burst, and a burst queues
+    # behind itself for a moment on any link slower than a burst: that says nothing about
+    # the rate the link carries. A queue that stands while chunks go at their pace does.
+    debounce_s: float = 0.4
     # Share of the measured delivery rate a rung may use, for jitter in the measurement and
     # other traffic on the link.
     headroom: float = 0.75
@@ -233,6 +239,8 @@ class Config:
             raise ValueError("need 0 <= low_delay_ms < high_delay_ms")
         if self.debounce_chunks < 1:
             raise ValueError("debounce_chunks must be at least 1")
+        if not self.debounce_s >= 0:
+            raise ValueError("debounce_s must not be negative")
         if not 0 < self.headroom <= 1:
             raise ValueError("headroom must be in (0, 1]")
 
@@ -339,6 +347,8 @@ class Estimator:
         self._index = self._rungs.index(rung)
         self._base = BaseDelay(self._config.base_window_s, self._config.base_bucket_s)
         self._recent_ms: deque[float] = deque(maxlen=self._config.debounce_chunks)
+        # Send stamp of the first chunk of the run above high_delay_ms now standing, if any.
+        self._high_since_ms: float | None = None
         self._delivery = DeliveryRate(self._config.rate_window_s, self._config.rate_min_span_s)
         self._queue_ms = 0.0
         self._last_sent_ms: float | None = None
@@ -424,12 +434,17 @@ class Estimator:
         delay_ms = arrival_s * 1000.0 - sent_ms
         self._queue_ms = delay_ms - self._base.add(arrival_s, delay_ms)
         self._recent_ms.append(self._queue_ms)
+        if self._queue_ms <= self._config.high_delay_ms:
+            self._high_since_ms = None
+        elif self._high_since_ms is None:
+            self._high_since_ms = sent_ms
         self._delivery.add(arrival_s, nbytes, self._queue_ms > self._config.low_delay_ms)
 
     def _forget_delays(self) -> None:
         """The client's clock restarted: delays before and after cannot be compared."""
         self._base.reset()
         self._recent_ms.clear()
+        self._high_since_ms = None
         self._delivery.end_run()
         self._new_rung_chunks = 0
         self._new_rung_min_ms = math.inf
@@ -449,9 +464,14 @@ class Estimator:
         return min(self._recent_ms)
 
     def _congested(self) -> bool:
+        """Whether the queue stood above high_delay_ms for debounce_chunks chunks in a row
+        sent over at least debounce_s."""
         return (
             len(self._recent_ms) == self._config.debounce_chunks
             and self._floor_ms() > self._config.high_delay_ms
+            and self._high_since_ms is not None
+            and self._last_sent_ms is not None
+            and self._last_sent_ms - self._high_since_ms >= self._config.debounce_s * 1000
         )
 
     def _drained(self) -> bool:

@@ -155,9 +155,9 @@ class Settings:
     opus_bitrates: str = "32000,24000,16000,12000"
     # Adaptive bitrate: a client that says it follows (`auth.abr`) starts on the rung its
     # network hint allows and is told to switch rungs (PCM, Opus at each bitrate) as its
-    # link's queueing delay says (cosyvoice/abr.py, docs/protocol.md). Off by default: on
-    # emulated links it does not yet meet its targets (docs/protocol.md, "Adaptive bitrate").
-    abr: bool = False
+    # link's queueing delay says (cosyvoice/abr.py, docs/protocol.md). Clients that do not
+    # say `auth.abr` are never switched; false judges nothing for any client.
+    abr: bool = True
     # Connections one gateway process may open to Redis (redis-py stops at 100).
     redis_max_connections: int = 512
     # Longest utterance before a forced final, so long speech cannot stall a decoder.

@@ -31,8 +31,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 # Disconnected sessions expire after this in the test services (30 s in production).
 TEST_GRACE_S = 2.0
 # Every test service's settings, under the test's own.
-# The test service runs adaptive bitrate (off by default) for the tests of it.
-TEST_ENV = {"COSYVOICE_SESSION_GRACE_S": str(TEST_GRACE_S), "COSYVOICE_ABR": "true"}
+TEST_ENV = {"COSYVOICE_SESSION_GRACE_S": str(TEST_GRACE_S)}
 
 
 def _tsv(name: str) -> dict[str, str]:

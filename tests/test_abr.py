@@ -363,6 +363,33 @@ def test_single_late_chunks_never_switch():
     assert feed(Estimator(PCM16), [150.0] * 10 + [900.0] * 3, PCM16)[0].rung == OPUS32
 
 
+def burst_then_paced(estimator: Estimator, rung: Rung, link_bps: float,
+                     paced_delay_ms: float) -> list[Decision]:
+    """Ten chunks at their pace (150 ms path), a 2 s stall (late acks), then the ten that
+    waited sent at one instant through a ``link_bps`` bottleneck, then chunks at their pace
+    again with ``paced_delay_ms`` of one-way delay; the decisions returned."""
+    decisions, nbytes = [], round(rung.wire_bps * CHUNK_S / 8)
+    chunks = [(i * 200, i * 200 + 150.0) for i in range(10)]
+    link_free = 4000.0
+    for _ in range(10):  # sent together at 4 s, served one after another
+        link_free += nbytes * 8 / link_bps * 1000
+        chunks.append((4000, link_free + 150.0))
+    chunks += [(4200 + i * 200, 4200 + i * 200 + paced_delay_ms) for i in range(10)]
+    for sent_ms, arrival_ms in chunks:
+        decision = estimator.on_chunk(sent_ms, arrival_ms / 1000, nbytes, rung.name)
+        if decision is not None:
+            decisions.append(decision)
+    return decisions
+
+
+def test_a_burst_after_a_stall_queues_behind_itself_and_switches_nothing():
+    # Opus 32 kbit/s through 64 kbit/s: the tenth chunk of the burst waits 0.6 s
+    assert burst_then_paced(Estimator(OPUS32), OPUS32, 64e3, 150.0) == []
+    # the same burst, and the queue still stands while chunks go at their pace: congestion
+    [down] = burst_then_paced(Estimator(OPUS32), OPUS32, 64e3, 1500.0)
+    assert (down.direction, down.reason, down.rung) == ("down", "congestion", OPUS24)
+
+
 def test_congestion_at_the_lowest_rung_reports_nothing():
     estimator = Estimator(OPUS12)
     assert feed(estimator, [150.0] * 5 + [150.0 + 200 * i for i in range(200)], OPUS12) == []

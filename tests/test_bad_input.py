@@ -258,7 +258,7 @@ def test_a_client_that_follows_switches_starts_on_the_rung_its_hint_allows(
 
 def test_with_abr_off_the_client_gets_what_it_asked_for(module_redis, module_redis_client):
     off = make_app(module_redis, module_redis_client, rate_limit_factor=0,
-                   max_sessions_per_client=0)  # COSYVOICE_ABR's default
+                   max_sessions_per_client=0, abr=False)
     c = connect(off, auth={"abr": True, "network_hint": {"effective_type": "2g"}})
     session = _session(c)
     assert (session["codec"], session["bitrate"]) == ("pcm16", 0)

@@ -9,6 +9,7 @@ import json
 import random
 import re
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -317,6 +318,17 @@ def test_until_the_first_ack_the_handshake_stands_in_for_the_round_trip():
     w.ack(0, rtt_s=2.0)
     assert w.in_flight == ABR_IN_FLIGHT + 10
     assert SendWindow(limit=ABR_IN_FLIGHT).in_flight == ABR_IN_FLIGHT  # neither known
+    # the client times its connect() to the session event; a reconnect's session keeps it
+    client = StreamingClient("http://127.0.0.1:9", abr=True)
+    client._connect_started = time.monotonic() - 4.1
+    on = _handlers(client)
+    on["session"]({"session": "s1", "resumed": False, "next_seq": 0, "sample_rate": 16000,
+                   "abr": True, "codec": "pcm16"})
+    assert client.window.handshake_s is not None and client.window.handshake_s >= 4.1
+    assert client.window.in_flight == ABR_IN_FLIGHT + 20
+    on["session"]({"session": "s1", "resumed": True, "next_seq": 3, "sample_rate": 16000,
+                   "abr": True, "codec": "pcm16"})
+    assert client.window.handshake_s >= 4.1
 
 
 def test_the_window_rewinds_pauses_and_resumes_where_the_server_says():

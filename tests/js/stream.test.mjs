@@ -206,3 +206,18 @@ test("following switches: auth says so, at most five chunks fly, and switches re
   socket.handlers.switch_up({ codec: "pcm16", bitrate: 256000, sample_rate: 16000, reason: "probe" });
   assert.deepEqual(switches, [["opus", 12000, "congestion", "down"], ["pcm16", 256000, "probe", "up"]]);
 });
+
+test("until the first ack, the handshake's time stands in for the round trip", () => {
+  let socket;
+  globalThis.io = (url, options) => (socket = new ScriptedSocket(url, options));
+  const stream = new SpeechStream(recorder().handlers, { abr: true, bitrate: 32000 });
+  stream.open();
+  stream.openedAt = performance.now() - 2100; // a handshake of about two 1 s round trips
+  socket.accept({ session: "s1", resumed: false, next_seq: 0, sample_rate: 16000, codec: "opus", bitrate: 32000, abr: true });
+  assert.ok(stream.handshakeMs >= 2100);
+  for (let i = 0; i < 20; i++) stream.send({ opus: [new Uint8Array([8, i])], bitrate: 32000, last: false });
+  assert.equal(socket.emitted.length, 15); // five, and the ten a 2 s path holds
+  socket.emitted[0].ack({ seq: 0 }); // the first ack measures the round trip: about none here
+  assert.ok(stream.minRttMs < 1000);
+  assert.equal(socket.emitted.length, 15); // fourteen in flight, five allowed now
+});
