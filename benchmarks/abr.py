@@ -7,7 +7,11 @@ directions (``netem`` does not exist on these machines). The service (embedded R
 gunicorn gateway with the default settings, ``COSYVOICE_ABR`` on among them, two worker
 processes admitting half the sessions each, the default engine) runs on the host's loopback.
 The ``--sessions`` sessions of one cell run at the same time, each on its own link, each
-streaming the same ``--seconds`` of speech in real time; a cell takes about one session.
+streaming ``--seconds`` of speech in real time; a cell takes about one session. Every
+session says the same words, session ``i`` starting ``i/n`` of the way into the fixtures
+and going round, so their utterances do not all end at the same instant (``--aligned``:
+they do, and ten finals land on the workers at once); session ``i`` streams the same
+audio over the same link in every cell.
 
 Failure, defined before measuring: a session fails when
 
@@ -15,9 +19,9 @@ Failure, defined before measuring: a session fails when
   an error), or
 * a final came more than 3 s after the end of its utterance's audio (from when the
   audio's last sample would have been captured, in real time), or
-* its WER is above the WER of the same audio streamed as PCM over loopback before the
-  cells (measured once per run) plus 5 points (the Opus rungs cost up to 2.4: Opus on
-  the wire in docs/benchmarks.md).
+* its WER is above the WER of the same words (session 0's order) streamed as PCM over
+  loopback before the cells (measured once per run) plus 5 points (the Opus rungs cost
+  up to 2.4: Opus on the wire in docs/benchmarks.md).
 
 Per cell: failures with a 95 % Wilson interval, chunk lag (from when a chunk's audio was
 captured to its ack) P50/P95/P99, final latency P50 and P95, switches per session and the share of
@@ -29,7 +33,8 @@ a constant 150 kbit/s (80 ms); ``slow3g`` 400 kbit/s with a 2 s round trip; ``ed
 64 kbit/s (80 ms), to state the limit.
 
     python benchmarks/abr.py [--profiles control,step,slow,slow3g,edge] [--sessions 10]
-        [--seconds 60] [--modes fixed,abr] [--engine NAME] [--records DIR] [--json-out F]
+        [--seconds 60] [--modes fixed,abr] [--engine NAME] [--aligned] [--records DIR]
+        [--json-out F]
 
 The whole table (five profiles, two modes) takes about 13 minutes. A client still
 streaming 30 s after its audio ended is stopped (SIGTERM: it writes what it got, and counts
@@ -104,8 +109,11 @@ PROFILES = {
 
 # ---- the session's audio --------------------------------------------------------------
 
-def session_audio(seconds: float) -> tuple[bytes, str]:
-    """Speech fixtures one after another with short pauses, to ``seconds``: (pcm, text)."""
+def session_audio(seconds: float, turn: float = 0.0) -> tuple[bytes, str]:
+    """Speech fixtures one after another with short pauses, to ``seconds``: (pcm, text).
+    ``turn`` (0 to 1): start that far into the list of fixtures and go round, so that
+    sessions with different turns say the same words with their utterances ending at
+    other instants."""
     refs = {**fixture_texts(), **harvard_texts(), "harvard_long": reference_text("harvard_long")}
     gap = b"\x00\x00" * int(16000 * GAP_S)
     parts, texts, total = [], [], 0.0
@@ -116,6 +124,8 @@ def session_audio(seconds: float) -> tuple[bytes, str]:
         parts.append(pcm)
         texts.append(refs[name])
         total += len(pcm) / 32000 + GAP_S
+    first = int(turn * len(parts)) % len(parts)
+    parts, texts = parts[first:] + parts[:first], texts[first:] + texts[:first]
     pcm = gap.join(parts)
     return pcm + b"\x00\x00" * max(0, int(16000 * seconds) - len(pcm) // 2), " ".join(texts)
 
@@ -309,8 +319,10 @@ def wait_idle(stack: Stack, timeout: float = IDLE_TIMEOUT_S) -> float:
     return time.monotonic() - started
 
 
-def run_cell(stack: Stack, profile: Profile, abr: bool, sessions: int, wav: str,
-             ref_text: str, baseline_wer: float, seconds: float, work: Path) -> dict:
+def run_cell(stack: Stack, profile: Profile, abr: bool, audio: list[tuple[str, str]],
+             baseline_wer: float, seconds: float, work: Path) -> dict:
+    """One cell: session ``i`` streams ``audio[i]`` (its WAV, its text) over link ``i``."""
+    sessions = len(audio)
     outs = [work / f"{profile.name}-{'abr' if abr else 'fixed'}-{i}.json" for i in range(sessions)]
     with ExitStack() as stack_:
         links = [stack_.enter_context(slow_link(profile.rate_kbit, index=i, limit="64kb"))
@@ -323,7 +335,8 @@ def run_cell(stack: Stack, profile: Profile, abr: bool, sessions: int, wav: str,
                              "--url", proxy.url, "--wav", wav, "--out", str(out)]
                             + (["--abr"] if abr else []), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-                 for link, proxy, out in zip(links, proxies, outs, strict=True)]
+                 for link, proxy, out, (wav, _text)
+                 in zip(links, proxies, outs, audio, strict=True)]
         started = time.monotonic()
         pending = list(profile.steps)
         while any(p.poll() is None for p in procs):
@@ -336,7 +349,7 @@ def run_cell(stack: Stack, profile: Profile, abr: bool, sessions: int, wav: str,
                     link.set_rate(rate)
             time.sleep(0.1)
     judged: list[Judged] = []
-    for out in outs:
+    for out, (_wav, ref_text) in zip(outs, audio, strict=True):
         try:
             record = json.loads(out.read_text())
         except (OSError, ValueError):
@@ -393,6 +406,8 @@ def main() -> None:
                         help="COSYVOICE_ENGINE for the service (default: the service's own)")
     parser.add_argument("--modes", default="fixed,abr",
                         help="fixed (PCM, no switching), abr, or both")
+    parser.add_argument("--aligned", action="store_true",
+                        help="every session the same recording from the same start")
     parser.add_argument("--records", default=None,
                         help="a folder to keep every session's record in")
     parser.add_argument("--json-out", default=None)
@@ -408,7 +423,6 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("benchmarks/abr.py creates network namespaces: run it as root")
     started = time.monotonic()
-    pcm, ref_text = session_audio(args.seconds)
     rows: list[dict] = []
     # A fixed capacity: the decode scheduler's admission would otherwise lower it under the
     # load of the clients and links this machine also runs, and refuse sessions of a cell.
@@ -420,12 +434,19 @@ def main() -> None:
           Stack(processes=2, env=env, metrics=True) as stack):
         work = Path(args.records or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        wav = str(work / "session.wav")
-        with wave.open(wav, "wb") as w:
-            w.setnchannels(1)
-            w.setsampwidth(2)
-            w.setframerate(16000)
-            w.writeframes(pcm)
+        # Session i starts i/n of the way into the fixtures: ten users do not end their
+        # sentences at the same instant (--aligned: they do, every finals at once).
+        audio = []
+        for i in range(args.sessions):
+            pcm_i, text_i = session_audio(args.seconds, 0.0 if args.aligned else i / args.sessions)
+            wav = str(work / f"session-{i}.wav")
+            with wave.open(wav, "wb") as w:
+                w.setnchannels(1)
+                w.setsampwidth(2)
+                w.setframerate(16000)
+                w.writeframes(pcm_i)
+            audio.append((wav, text_i))
+        pcm, ref_text = session_audio(args.seconds)
         from cosyvoice.client import transcribe_pcm
         baseline = transcribe_pcm(stack.url, pcm, 16000, pace="fast", timeout=120)
         baseline_wer = corpus_wer([ref_text], [baseline.text])
@@ -438,8 +459,8 @@ def main() -> None:
                 if waited > 2:
                     print(f"waited {waited:.0f} s for the last cell's sessions to go",
                           flush=True)
-                row = run_cell(stack, PROFILES[name], abr, args.sessions, wav, ref_text,
-                               baseline_wer, args.seconds, work)
+                row = run_cell(stack, PROFILES[name], abr, audio, baseline_wer, args.seconds,
+                               work)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(table(rows))
