@@ -217,12 +217,9 @@ def client_main(url: str, wav: str, abr: bool, out: str) -> None:
         client.stop()
     except (TranscribeError, OSError, Stopped) as exc:
         record["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            client.close()
-        except Exception:  # noqa: BLE001 - the record matters more than a clean close
-            pass
+    # The record first: closing a connection whose uplink is full can outlast the run's
+    # patience, and a client killed then must still have said what it got.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     result = client.result
     if result.fatal_errors:
         record["error"] = record["error"] or result.fatal_errors[-1].get("code")
@@ -239,6 +236,10 @@ def client_main(url: str, wav: str, abr: bool, out: str) -> None:
         resumes=result.resumes, text=result.text)
     with open(out, "w") as f:
         json.dump(record, f)
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - the record is written; a clean close is a nicety
+        pass
 
 
 # ---- a cell ---------------------------------------------------------------------------
@@ -353,7 +354,7 @@ def run_cell(stack: Stack, profile: Profile, abr: bool, audio: list[tuple[str, s
         try:
             record = json.loads(out.read_text())
         except (OSError, ValueError):
-            judged.append(Judged(["no record"], [], [], 1.0, 0, {}))
+            judged.append(Judged(["lost: the client wrote no record"], [], [], 1.0, 0, {}))
             continue
         judged.append(judge(record, ref_text, baseline_wer, seconds))
     failures = sum(j.failed for j in judged)
