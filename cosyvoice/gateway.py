@@ -324,8 +324,10 @@ class Gateway:
         conn = self.connections.pop(current_socket_id(), None)
         if conn is None:
             return
+        # Two steps, neither skipped for the other's failure: a session whose connection is
+        # not released stays held, and its keys outlive the grace period.
+        self.relay.unsubscribe(conn.session, current_socket_id())
         try:
-            self.relay.unsubscribe(conn.session, current_socket_id())
             if not conn.stopped:
                 grace = self.settings.session_grace_s
                 if self.bus.release_connection(conn.session, conn.conn_id, grace):

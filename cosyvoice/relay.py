@@ -30,6 +30,17 @@ log = logging.getLogger("cosyvoice.gateway")
 WRITE_BATCH = 256
 # How long a handler waits for its chunk to be stored before answering `unavailable`.
 WRITE_TIMEOUT_S = 10.0
+# What an unsubscribe raises on a subscriber connection that broke under it: redis-py's
+# errors, and, when the reading greenlet was reconnecting the same connection meanwhile,
+# the socket's (EBADF) or its buffer's ("I/O operation on closed file").
+BROKEN_SUBSCRIBER = (redis.RedisError, OSError, ValueError)
+
+
+def _unsubscribe_failed(channel: str, exc: Exception) -> None:
+    """Nothing to undo: the route is gone, so whatever still arrives on the channel is
+    dropped, and a reconnected subscriber that takes the channel up again costs no more."""
+    metrics.REDIS_ERRORS.inc()
+    log.warning("could not unsubscribe %s: %s", channel, exc)
 
 
 class ChunkWriter:
@@ -199,7 +210,10 @@ class Channels:
 
     def remove(self, channel: str) -> None:
         with self._lock:
-            self.pubsub.unsubscribe(channel)
+            try:
+                self.pubsub.unsubscribe(channel)
+            except BROKEN_SUBSCRIBER as exc:
+                _unsubscribe_failed(channel, exc)
 
     def _run(self) -> None:
         backoff = Backoff()
@@ -263,8 +277,8 @@ class ShardedChannels:
             if reader is not None:
                 try:
                     reader.sunsubscribe(channel)
-                except redis.RedisError as exc:
-                    log.warning("could not unsubscribe %s: %s", channel, exc)
+                except BROKEN_SUBSCRIBER as exc:
+                    _unsubscribe_failed(channel, exc)
 
     def _subscribe(self, channel: str) -> None:
         node = self.cluster.get_node_from_key(channel)

@@ -401,3 +401,26 @@ def test_parse_auth_accepts_a_full_valid_dict():
                       "last_result": "1700000000000-0",
                       "network_hint": {"effectiveType": "4g", "downlink": 10, "rtt": 50}})
     assert (req.sample_rate, req.session, req.last_result) == (48000, "a" * 24, "1700000000000-0")
+
+
+def test_a_subscriber_broken_under_an_unsubscribe_still_releases_the_session(
+        module_redis, module_redis_client, monkeypatch):
+    # The result subscriber's connection breaking as the client leaves (a reconnect of
+    # the same connection by its reading greenlet raised "I/O operation on closed file")
+    # once kept the session held past its grace period: the release was skipped.
+    app = make_app(module_redis, module_redis_client, rate_limit_factor=0,
+                   max_sessions_per_client=0, session_grace_s=5.0)
+    gateway = app.extensions["cosyvoice"]
+    c = connect(app)
+    sid = _session(c)["session"]
+    held_ms = module_redis_client.pttl(keys.session_key(sid))
+
+    def broken(*_channels):
+        raise ValueError("I/O operation on closed file.")
+
+    monkeypatch.setattr(gateway.relay.channels.pubsub, "unsubscribe", broken)
+    c.disconnect(NAMESPACE)
+    released_ms = module_redis_client.pttl(keys.session_key(sid))
+    assert held_ms == -1  # no expiry while a connection holds it
+    assert 0 < released_ms <= 5000  # the grace period runs
+    assert sid not in gateway.relay.routes
