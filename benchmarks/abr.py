@@ -73,6 +73,7 @@ from tests.helpers import (  # noqa: E402
     fixture_texts,
     harvard_texts,
     reference_text,
+    write_pcm_wav,
 )
 from tests.netfault import CuttableProxy  # noqa: E402
 from tests.netlink import slow_link  # noqa: E402
@@ -437,17 +438,14 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         # Session i starts i/n of the way into the fixtures: ten users do not end their
         # sentences at the same instant (--aligned: they do, every finals at once).
+        spoken = [session_audio(args.seconds, 0.0 if args.aligned else i / args.sessions)
+                  for i in range(args.sessions)]
         audio = []
-        for i in range(args.sessions):
-            pcm_i, text_i = session_audio(args.seconds, 0.0 if args.aligned else i / args.sessions)
+        for i, (pcm_i, text_i) in enumerate(spoken):
             wav = str(work / f"session-{i}.wav")
-            with wave.open(wav, "wb") as w:
-                w.setnchannels(1)
-                w.setsampwidth(2)
-                w.setframerate(16000)
-                w.writeframes(pcm_i)
+            write_pcm_wav(wav, pcm_i)
             audio.append((wav, text_i))
-        pcm, ref_text = session_audio(args.seconds)
+        pcm, ref_text = spoken[0]  # the baseline: session 0's order, as it starts at 0
         from cosyvoice.client import transcribe_pcm
         baseline = transcribe_pcm(stack.url, pcm, 16000, pace="fast", timeout=120)
         baseline_wer = corpus_wer([ref_text], [baseline.text])

@@ -60,6 +60,15 @@ def read_pcm(name: str) -> bytes:
         return w.readframes(w.getnframes())
 
 
+def write_pcm_wav(path: Any, pcm: bytes, rate: int = 16000) -> None:
+    """16-bit mono PCM as a WAV file (a fake microphone's, or a client's recording)."""
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm)
+
+
 def normalize(text: str) -> str:
     return " ".join(re.sub(r"[^a-z' ]", " ", text.lower()).split())
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import sys
 import time
-import wave
 
 import pytest
 
-from .helpers import ROOT, corpus_wer, harvard_texts, read_pcm
+from .helpers import ROOT, corpus_wer, harvard_texts, read_pcm, write_pcm_wav
 from .netfault import CuttableProxy
 from .netlink import slow_link
 from .stack import scrape
@@ -60,11 +59,7 @@ def test_on_a_150_kbit_link_fixed_pcm_falls_behind_and_abr_keeps_up(link, servic
     pcm = GAP.join(read_pcm(n) for n in NAMES)
     audio_s = len(pcm) / 32000
     wav = tmp_path / "speech.wav"
-    with wave.open(str(wav), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(16000)
-        w.writeframes(pcm)
+    write_pcm_wav(wav, pcm)
     refs = " ".join(harvard_texts()[n] for n in NAMES)
     switches_before = _switches(service.url)
 

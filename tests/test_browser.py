@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import time
-import wave
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from .helpers import (
     phase_bound,
     read_pcm,
     wer,
+    write_pcm_wav,
 )
 from .netfault import CuttableProxy
 from .netlink import slow_link
@@ -78,11 +78,7 @@ def padded_wav(pcm: bytes, path: Path) -> float:
     """Writes 16 kHz PCM with silence around it as the fake microphone's file; its duration."""
     silence = lambda s: b"\0\0" * int(16000 * s)  # noqa: E731
     pcm = silence(PAD_BEFORE_S) + pcm + silence(PAD_AFTER_S)
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(16000)
-        w.writeframes(pcm)
+    write_pcm_wav(path, pcm)
     return len(pcm) / 32000
 
 
