@@ -326,7 +326,10 @@ class Gateway:
             return
         # Two steps, neither skipped for the other's failure: a session whose connection is
         # not released stays held, and its keys outlive the grace period.
-        self.relay.unsubscribe(conn.session, current_socket_id())
+        try:
+            self.relay.unsubscribe(conn.session, current_socket_id())
+        except Exception:  # noqa: BLE001 - whatever the subscriber raised, release below
+            log.exception("result unsubscribe of %s failed", conn.session)
         try:
             if not conn.stopped:
                 grace = self.settings.session_grace_s

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import redis
 from flask import Flask
+from gevent.exceptions import ConcurrentObjectUseError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -403,11 +404,16 @@ def test_parse_auth_accepts_a_full_valid_dict():
     assert (req.sample_rate, req.session, req.last_result) == (48000, "a" * 24, "1700000000000-0")
 
 
+@pytest.mark.parametrize("error", [
+    ValueError("I/O operation on closed file."),
+    ConcurrentObjectUseError("This socket is already used by another greenlet"),
+])
 def test_a_subscriber_broken_under_an_unsubscribe_still_releases_the_session(
-        module_redis, module_redis_client, monkeypatch):
+        module_redis, module_redis_client, monkeypatch, error):
     # The result subscriber's connection breaking as the client leaves (a reconnect of
-    # the same connection by its reading greenlet raised "I/O operation on closed file")
-    # once kept the session held past its grace period: the release was skipped.
+    # the same connection by its reading greenlet raised "I/O operation on closed file",
+    # or gevent's "already used by another greenlet") once kept the session held past
+    # its grace period: the release was skipped.
     app = make_app(module_redis, module_redis_client, rate_limit_factor=0,
                    max_sessions_per_client=0, session_grace_s=5.0)
     gateway = app.extensions["cosyvoice"]
@@ -416,7 +422,7 @@ def test_a_subscriber_broken_under_an_unsubscribe_still_releases_the_session(
     held_ms = module_redis_client.pttl(keys.session_key(sid))
 
     def broken(*_channels):
-        raise ValueError("I/O operation on closed file.")
+        raise error
 
     monkeypatch.setattr(gateway.relay.channels.pubsub, "unsubscribe", broken)
     c.disconnect(NAMESPACE)
