@@ -88,16 +88,22 @@ def utterances(pcm: bytes) -> list[bytes]:
     """The passage cut by the service's endpointer, as a worker feeds it."""
     from cosyvoice.asr.whisper_engine import TwoPassModel
     from cosyvoice.audio import split_chunks
-    from cosyvoice.messages import DeferredFinal
+    from cosyvoice.finals import InlineFinals
     from cosyvoice.settings import Settings
 
     model = TwoPassModel(Settings(engine="2pass", twopass_partials="pocketsphinx"),
                          backend=object())
+    out: list[bytes] = []
+
+    def keep(audio: bytes, prompt: str) -> str:  # each final's audio, not decoded
+        out.append(audio)
+        return ""
+
+    model.finals = InlineFinals(keep)
     stream = model.stream(16000, mode="2pass")
-    out = []
     for chunk in split_chunks(pcm, 16000):
-        out += [r.audio for r in stream.feed(chunk, 16000) if isinstance(r, DeferredFinal)]
-    out += [r.audio for r in stream.flush() if isinstance(r, DeferredFinal)]
+        stream.feed(chunk, 16000)
+    stream.flush()
     return [a for a in out if a]
 
 

@@ -53,8 +53,6 @@ from benchmarks.stack import Stack, percentile, read_fixture  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
 from cosyvoice.audio import split_chunks  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
-from cosyvoice.finals import next_prompt  # noqa: E402
-from cosyvoice.messages import DeferredFinal  # noqa: E402
 from tests.helpers import (  # noqa: E402
     corpus_wer,
     finals,
@@ -78,15 +76,9 @@ def groups() -> dict[str, dict[str, str]]:
 
 
 def _decode(model, pcm: bytes) -> str:
-    texts: list[str] = []
-    prompt = ""
-    for r in finals(run_stream(model, pcm)[0]):
-        # 2-pass: the final the finals process would decode, after the text before it
-        text = (model.transcribe(r.audio, prompt) if isinstance(r, DeferredFinal)
-                else r["text"])
-        prompt = next_prompt(prompt, text)
-        texts.append(text)
-    return " ".join(t for t in texts if t)
+    # 2-pass: each final decoded inline, after the text before it, as the finals process
+    # would decode it
+    return " ".join(r["text"] for r in finals(run_stream(model, pcm)[0]) if r["text"])
 
 
 def variant(label: str) -> tuple[str, dict[str, str]]:

@@ -11,7 +11,9 @@ import io
 from pathlib import Path
 from typing import BinaryIO
 
-from .protocol import chunk_bytes
+from .codecs import split_chunks
+
+__all__ = ["AudioFileError", "read_audio", "split_chunks"]
 
 
 class AudioFileError(ValueError):
@@ -62,9 +64,3 @@ def read_audio(source: str | Path | BinaryIO) -> tuple[bytes, int]:
 
 def _not_audio(name: str | Path, exc: Exception) -> str:
     return f"{name} is not an audio file this tool can decode ({exc.__class__.__name__})"
-
-
-def split_chunks(pcm: bytes, rate: int, ms: int = 200) -> list[bytes]:
-    """Cut PCM into chunks of ``ms`` milliseconds (the last may be shorter)."""
-    size = chunk_bytes(rate, ms)
-    return [pcm[i:i + size] for i in range(0, len(pcm), size)] or [b""]

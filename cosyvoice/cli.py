@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .asr import SESSION_MODES
 from .codecs import CODECS, OPUS, parse_bitrate
+from .registry import SESSION_MODES
 from .settings import Settings, SettingsError, _parse
 from .subtitles import FORMATS
 

@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 
 PCM16, OPUS = "pcm16", "opus"
 CODECS = (PCM16, OPUS)
+# Chunk framing: the wire's 200 ms chunks of 16-bit mono samples (cosyvoice/protocol.py
+# and cosyvoice/audio.py use these; they live here, below both, so neither imports the other
+# to cut audio into chunks).
+CHUNK_MS = 200
+SAMPLE_WIDTH = 2
 
 RATE = 16000  # the rate Opus audio has on both sides of the wire
 FRAME_MS = 20  # every packet this project's clients send holds one 20 ms frame
@@ -272,13 +277,22 @@ class Encodings:
         return self._opus[bitrate, seq]
 
 
+def chunk_bytes(sample_rate: int, ms: int = CHUNK_MS) -> int:
+    """Bytes of PCM in ``ms`` milliseconds of 16-bit mono audio at ``sample_rate``."""
+    return sample_rate * ms // 1000 * SAMPLE_WIDTH
+
+
+def split_chunks(pcm: bytes, rate: int, ms: int = CHUNK_MS) -> list[bytes]:
+    """Cut PCM into chunks of ``ms`` milliseconds (the last may be shorter)."""
+    size = chunk_bytes(rate, ms)
+    return [pcm[i:i + size] for i in range(0, len(pcm), size)] or [b""]
+
+
 def opus_chunks(pcm: bytes, bitrate: int) -> list[list[bytes]]:
     """16 kHz PCM as 200 ms chunks of Opus packets (``PACKETS_PER_CHUNK`` each), all at
     one bitrate: as many chunks as the PCM makes, chunk ``k`` holding the audio of PCM
     chunk ``k``, the encoder's last packets (the padded partial frame and its look-ahead)
     with the last one."""
-    from .audio import split_chunks  # not at import: audio imports the protocol, which imports this
-
     encodings = Encodings(split_chunks(pcm, RATE))
     return [encodings.opus(seq, bitrate) for seq in range(len(encodings.pcm))]
 

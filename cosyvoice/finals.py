@@ -39,8 +39,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .messages import Checkpoint, Deferred, End, Published, Result, Scheduled
-
 log = logging.getLogger("cosyvoice.worker")
 
 # The prompt: the end of the session's previous finals, cut at a word. Whisper reads at most
@@ -72,7 +70,7 @@ class Context:
 class Job:
     """One final to decode: its utterance's audio (16 kHz PCM). Once ``done``, ``result``
     holds its text and ``after`` the session's prompt from then on (a
-    ``messages.Deferred``; the worker publishes it as a ``messages.Scheduled``)."""
+    ``messages.Deferred``; the 2-pass stream returns it as a ``messages.Scheduled``)."""
     context: Context
     audio: bytes
     done: bool = False
@@ -80,45 +78,6 @@ class Job:
     dropped: bool = False  # never: a final's text is published even when empty
     result: dict[str, Any] = field(default_factory=dict)
     after: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Pending:
-    """What an audio entry publishes in order: its results, some still being decoded
-    (``Scheduled``: finals of the finals stage, decodes of a decode scheduler), and what
-    follows them (``end``), with the checkpoint of that entry. Ready when every job it
-    holds is done."""
-    entry_id: str
-    results: list[Result | Scheduled | End]
-    checkpoint: Checkpoint | None
-    done: bool
-
-    @property
-    def jobs(self) -> list[Deferred]:
-        return [r.job for r in self.results if isinstance(r, Scheduled)]
-
-    def ready(self) -> bool:
-        return all(j.done for j in self.jobs)
-
-    def failed(self) -> bool:
-        return any(j.failed for j in self.jobs)
-
-    def publishable(self) -> list[Published]:
-        """The results as decoded, leaving out those whose job was dropped (no speech,
-        a partial overtaken)."""
-        out: list[Published] = []
-        for r in self.results:
-            decoded = r.decoded() if isinstance(r, Scheduled) else r
-            if decoded is not None:
-                out.append(decoded)
-        return out
-
-    def final_checkpoint(self) -> Checkpoint | None:
-        """The stored checkpoint: the entry's, with what its last decoded final says."""
-        if self.checkpoint is None or self.checkpoint.done:
-            return self.checkpoint
-        after = [j.after for j in self.jobs if j.after]
-        return self.checkpoint.updated(after[-1]) if after else self.checkpoint
 
 
 class FinalProcess:
@@ -253,17 +212,37 @@ class FinalsStage:
         raise RuntimeError(f"the finals process died {PROCESS_TRIES} times on one final")
 
     def _one(self, job: Job) -> None:
-        ctx = job.context
-        if ctx.cancelled:
-            job.done = True
-            return
-        try:
-            text = self._text(job.audio, ctx.prompt) if job.audio else ""
-        except Exception:  # noqa: BLE001 - a decoder bug ends its session, not the worker
-            log.exception("decoding a final failed")
-            job.failed = True
-            text = ""
-        job.result = {"text": text}
-        ctx.prompt = next_prompt(ctx.prompt, text)
-        job.after = {"prompt": ctx.prompt}
+        decode_job(job, self._text)
+
+    def sample(self) -> None:
+        """A finals stage reports no load (the engine's capacity is fixed)."""
+        return None
+
+
+def decode_job(job: Job, text_of: Callable[[bytes, str], str]) -> None:
+    """Decode one final after its session's prompt, and move the prompt on."""
+    ctx = job.context
+    if ctx.cancelled:
         job.done = True
+        return
+    try:
+        text = text_of(job.audio, ctx.prompt) if job.audio else ""
+    except Exception:  # noqa: BLE001 - a decoder bug ends its session, not the worker
+        log.exception("decoding a final failed")
+        job.failed = True
+        text = ""
+    job.result = {"text": text}
+    ctx.prompt = next_prompt(ctx.prompt, text)
+    job.after = {"prompt": ctx.prompt}
+    job.done = True
+
+
+class InlineFinals:
+    """No finals stage: each final is decoded when it is handed over, in the caller's
+    thread (calibration, benchmarks' direct decodes, a model no worker has started)."""
+
+    def __init__(self, decode: Callable[[bytes, str], str]):
+        self._decode = decode
+
+    def submit(self, job: Job) -> None:
+        decode_job(job, self._decode)

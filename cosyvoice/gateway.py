@@ -22,7 +22,6 @@ from socketio.exceptions import ConnectionRefusedError as Refused
 
 from . import abr, codecs, metrics, tokens
 from . import bus as busmod
-from .asr import ENGINES
 from .errors import (
     BadChunk,
     CosyvoiceError,
@@ -34,7 +33,9 @@ from .errors import (
     Unavailable,
 )
 from .limits import ConnectRequest, TokenBucket, parse_auth
+from .outputs import SocketIOOutput
 from .protocol import CHUNK_MS, NAMESPACE, SUPPORTED_RATES, Chunk, decode_chunk
+from .registry import ENGINES
 from .relay import ChunkWriter, ResultRelay
 from .settings import Settings
 
@@ -132,7 +133,7 @@ class Gateway:
         self.socketio = socketio
         self.bus = busmod.Bus(client, settings.stream_maxlen)
         self.writer = ChunkWriter(self.bus)
-        self.relay = ResultRelay(client, self.bus, socketio, start=relay_results)
+        self.relay = ResultRelay(client, self.bus, start=relay_results)
         self.connections: dict[str, Connection] = {}
         # Session modes the workers' engine offers (auth ``mode``); the first is the default.
         self.modes = ENGINES[settings.engine].modes
@@ -283,7 +284,7 @@ class Gateway:
         # No result can come before the client's first chunk, which needs the session
         # event that follows this handler.
         try:
-            self.relay.subscribe(session, socket_id)
+            self.relay.subscribe(session, SocketIOOutput(self.socketio, socket_id))
         except redis.RedisError:
             self.relay.unsubscribe(session)
             self._discard(session, client)
@@ -316,7 +317,8 @@ class Gateway:
                           mode=info.get("mode", self.modes[0]))
         self.bus.hold_client_slot(conn.client, conn.session,
                                   self.settings.max_session_s + self.settings.session_grace_s)
-        self.relay.subscribe(conn.session, socket_id, after=req.last_result or "-")
+        self.relay.subscribe(conn.session, SocketIOOutput(self.socketio, socket_id),
+                             after=req.last_result or "-")
         log.info("session resumed", extra={"session": conn.session, "event": "resume"})
         return conn
 

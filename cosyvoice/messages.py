@@ -3,9 +3,11 @@
 A result travels engine → worker → Redis (``text:{SID}``) → gateway → client:
 
 - an engine's ``Stream.feed``/``flush`` return ``Decoded`` items: a ``Result`` (a partial
-  or a final, decoded now), a ``DeferredFinal`` (a 2-pass final whose text the worker's
-  finals stage decodes from its audio) or a ``Scheduled`` one (a decode handed to
-  whisper-live's decode scheduler, read once its ``job`` is done);
+  or a final, decoded now) or a ``Scheduled`` one, a result whose decode the engine handed
+  to its deferred stage (the 2-pass finals process, whisper-live's decode scheduler), read
+  once its ``job`` is done;
+- the session's text stages (cosyvoice/stages.py) rewrite each result as it is decoded,
+  and its outbox (cosyvoice/outbox.py) releases them in the order the audio produced them;
 - the worker publishes ``Published`` messages, a ``Result``, the session's ``End`` or an
   ``ErrorResult``, as compact JSON (``to_json``) in the replay stream and on pub/sub;
 - the gateway's relay reads them back (``from_json``) and emits each as the Socket.IO
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NotRequired, Protocol, TypedDict
+from typing import Any, Callable, Literal, NotRequired, Protocol, TypedDict
 
 
 class Word(TypedDict):
@@ -118,7 +120,7 @@ def result_id_key(result_id: str) -> tuple[int, int]:
 
 
 class Deferred(Protocol):
-    """A decode handed to another stage and not waited for: a finals-stage job
+    """A decode handed to a deferred stage and not waited for: a finals-stage job
     (cosyvoice/finals.py) or a decode scheduler's job (cosyvoice/asr/scheduler.py).
     Once ``done``, ``result`` holds what it decoded (``text``, and ``words`` and the like
     where it has them) unless it was ``dropped`` (no speech, a partial overtaken) or it
@@ -131,40 +133,49 @@ class Deferred(Protocol):
     after: dict[str, Any]
 
 
-@dataclass
-class DeferredFinal:
-    """A 2-pass final: ``result`` is the final without its text (utterance, times,
-    engine), ``audio`` the utterance's 16 kHz PCM for the worker's finals stage."""
-    result: Result
-    audio: bytes
+TextRule = Callable[[Result], Result]
 
 
 @dataclass
 class Scheduled:
-    """A result to be: ``result`` as far as it is known (type, utterance, times), and the
-    ``job`` that decodes the rest. Published in order, once the job is done."""
+    """A result to be, the one kind of deferred result: ``result`` as far as it is known
+    (type, utterance, times), and the ``job`` a deferred stage decodes the rest with.
+    ``rules`` are the session's text stages still to run on it once decoded
+    (cosyvoice/stages.py). Published in order, once the job is done."""
     result: Result
     job: Deferred
+    rules: tuple[TextRule, ...] = ()
+
+    @property
+    def done(self) -> bool:
+        return self.job.done
+
+    @property
+    def failed(self) -> bool:
+        return self.job.failed
 
     def decoded(self) -> Result | None:
-        """The result as decoded, or None where the job was dropped."""
+        """The result as decoded (and rewritten by ``rules``), or None where the job was
+        dropped."""
         if self.job.dropped:
             return None
         out: Any = {**self.result, **self.job.result}
+        for rule in self.rules:
+            out = rule(out)
         return out
 
 
-Decoded = Result | DeferredFinal | Scheduled
+Decoded = Result | Scheduled
 
 
 def kind(item: Decoded | End) -> str:
     """``partial``, ``final`` or ``end``, whether decoded yet or not."""
-    return (item.result if isinstance(item, DeferredFinal | Scheduled) else item)["type"]
+    return (item.result if isinstance(item, Scheduled) else item)["type"]
 
 
 def with_seq(item: Decoded, seq: int) -> Decoded:
     """The item with ``seq`` set on its result, unless the engine set one."""
-    if isinstance(item, DeferredFinal | Scheduled):
+    if isinstance(item, Scheduled):
         return replace(item, result={"seq": seq, **item.result})
     return {"seq": seq, **item}
 

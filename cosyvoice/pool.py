@@ -22,9 +22,7 @@ log = logging.getLogger("cosyvoice.worker")
 
 
 def _run_child(settings: Settings, model: Model) -> int:
-    after_fork = getattr(model, "after_fork", None)
-    if after_fork is not None:
-        after_fork()
+    model.after_fork()
     client = busmod.connect(settings.redis_url, max_connections=8, blocking=False,
                             cluster=settings.redis_cluster)
     worker = Worker(settings, model, client)

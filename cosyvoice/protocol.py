@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 from . import codecs
 from .chunk_pb import AudioChunkProto, Codec
+from .codecs import CHUNK_MS, SAMPLE_WIDTH, chunk_bytes
 from .errors import BadChunk, BadPacket, TooLarge, UnsupportedCodec, UnsupportedRate
 
 # The Socket.IO namespace of the streaming protocol.
 NAMESPACE = "/ws"
-CHUNK_MS = 200
-SAMPLE_WIDTH = 2
 # Sample rates a session may stream at: every engine's front end resamples them exactly.
 SUPPORTED_RATES = (8000, 16000, 48000)
 # Field tags and varint lengths around the PCM: a generous bound for the envelope.
@@ -45,11 +44,6 @@ class Chunk:
     @property
     def duration_s(self) -> float:
         return self.audio_ms / 1000
-
-
-def chunk_bytes(sample_rate: int, ms: int = CHUNK_MS) -> int:
-    """Bytes of PCM in ``ms`` milliseconds of 16-bit mono audio at ``sample_rate``."""
-    return sample_rate * ms // 1000 * SAMPLE_WIDTH
 
 
 def max_payload_bytes(max_chunk_ms: int) -> int:

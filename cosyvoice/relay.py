@@ -2,7 +2,8 @@
 
 ``ChunkWriter`` appends every connection's chunks in arrival order, batched per round
 trip; ``ResultRelay`` subscribes to the result channels of this process's sessions and
-emits each result to its socket exactly once, replaying what a connection missed.
+delivers each result to its session's output (cosyvoice/outputs.py: the Socket.IO
+connection, or another face's) exactly once, replaying what a connection missed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 
 import gevent
 import redis
-from flask_socketio import SocketIO
 from gevent.event import AsyncResult
 from gevent.lock import Semaphore
 from gevent.queue import Queue
@@ -22,7 +22,8 @@ from redis.client import PubSub
 from . import bus as busmod
 from . import keys, messages, metrics
 from .backoff import Backoff
-from .protocol import NAMESPACE, Chunk
+from .outputs import Output
+from .protocol import Chunk
 
 log = logging.getLogger("cosyvoice.gateway")
 
@@ -96,7 +97,7 @@ class ChunkWriter:
 class Route:
     """Where one session's results go, and which of them the connection already has."""
 
-    socket_id: str
+    output: Output
     last_id: str | None = None
     replaying: bool = True
     held: list = field(default_factory=list)
@@ -111,9 +112,7 @@ class ResultRelay:
     sharded pub/sub, one reader per node (``ShardedChannels``).
     """
 
-    def __init__(self, client: redis.Redis, bus: busmod.Bus, socketio: SocketIO,
-                 start: bool = True):
-        self.socketio = socketio
+    def __init__(self, client: redis.Redis, bus: busmod.Bus, start: bool = True):
         self.bus = bus
         self.routes: dict[str, Route] = {}  # session id -> route
         self.channels: Channels | ShardedChannels = (
@@ -121,14 +120,14 @@ class ResultRelay:
         if start:
             self.channels.start()
 
-    def subscribe(self, session: str, socket_id: str, after: str | None = None) -> None:
-        """Route the session's results to ``socket_id``.
+    def subscribe(self, session: str, output: Output, after: str | None = None) -> None:
+        """Route the session's results to ``output``.
 
         ``after=None`` means a new session: nothing to replay. Otherwise live results are
         held until ``replay`` has sent those stored after ``after`` ("-": all of them).
         """
         last = None if after in (None, "-") else after
-        self.routes[session] = Route(socket_id, last, replaying=after is not None)
+        self.routes[session] = Route(output, last, replaying=after is not None)
         self.channels.add(keys.text_key(session))
 
     def replay(self, session: str) -> None:
@@ -136,9 +135,11 @@ class ResultRelay:
         if route is not None:
             self._replay(session, route)
 
-    def unsubscribe(self, session: str, socket_id: str | None = None) -> None:
+    def unsubscribe(self, session: str, output_id: str | None = None) -> None:
+        """Stop routing the session's results (while ``output_id``, if given, is still
+        its output's: a connection that replaced it keeps its route)."""
         route = self.routes.get(session)
-        if route is None or (socket_id is not None and route.socket_id != socket_id):
+        if route is None or (output_id is not None and route.output.id != output_id):
             return
         del self.routes[session]
         self.channels.remove(keys.text_key(session))
@@ -180,8 +181,7 @@ class ResultRelay:
                                           <= messages.result_id_key(route.last_id)):
             return
         route.last_id = result_id
-        event, data = messages.to_event(session, result_id, messages.from_json(payload))
-        self.socketio.emit(event, data, to=route.socket_id, namespace=NAMESPACE)
+        route.output.send(session, result_id, messages.from_json(payload))
 
 
 class Channels:

@@ -12,10 +12,10 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
-from .asr import ENGINES, WHISPER_BACKENDS
 from .codecs import CODECS
 from .logs import is_level
 from .protocol import SUPPORTED_RATES
+from .registry import ENGINES, WHISPER_BACKENDS
 
 ENV_PREFIX = "COSYVOICE_"
 

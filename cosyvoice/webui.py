@@ -3,12 +3,16 @@
 Run it under gunicorn's GeventWebSocketWorker
 (``gunicorn -c gunicorn.conf.py cosyvoice.webui:app``) or with ``cosyvoice gateway``;
 either way gevent has patched the standard library before this module is imported. The
-Socket.IO handlers are ``cosyvoice/gateway.py``'s.
+Socket.IO handlers are ``cosyvoice/gateway.py``'s; other faces (routes of their own over
+the same sessions, with an output of their own: cosyvoice/outputs.py) are installed from
+``FACES``, one line each.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -26,14 +30,25 @@ CONTENT_SECURITY_POLICY = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
     "connect-src 'self'; worker-src 'self'; media-src 'self'; object-src 'none'; "
     "base-uri 'self'; form-action 'self'; frame-ancestors 'none'")
+# The faces beside Socket.IO, as "module:function": each function is called with the app
+# and the gateway (its sessions, admission, limits, relay and metrics) and adds its
+# routes. The next faces (OpenAI's and Deepgram's) are one line each here.
+FACES: tuple[str, ...] = ()
+
+
+def install_faces(app: Flask, gateway: Gateway, faces: Sequence[str]) -> None:
+    for face in faces:
+        module, _, function = face.partition(":")
+        getattr(importlib.import_module(module), function)(app, gateway)
 
 
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None,
-               relay_results: bool = True) -> Flask:
+               relay_results: bool = True, faces: Sequence[str] = FACES) -> Flask:
     """The gateway's Flask app; its SocketIO server is ``app.extensions['socketio']``.
 
     ``relay_results=False`` leaves the result subscriber unstarted (in-process tests,
     where no worker runs and a blocking subscriber would stall the unpatched thread).
+    ``faces`` are installed beside Socket.IO (``FACES``).
     """
     settings = settings or Settings.from_env()
     fastws.install()
@@ -61,7 +76,15 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
             app.wsgi_app, x_for=n, x_proto=n, x_host=n)
     app.extensions["cosyvoice"] = gateway
     probes.install(app, gateway)
+    install_faces(app, gateway, faces)
+    install_page(app, settings, gateway)
     debug_mem.start("gateway")
+    return app
+
+
+def install_page(app: Flask, settings: Settings, gateway: Gateway) -> None:
+    """The browser page, its assets and configuration, and the headers every response
+    carries."""
 
     @app.after_request
     def security_headers(response):
@@ -92,8 +115,6 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     @app.get("/static/<path:name>")
     def static_files(name):
         return send_from_directory(STATIC_DIR, name)
-
-    return app
 
 
 _app_lock = threading.Lock()

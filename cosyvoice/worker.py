@@ -1,12 +1,16 @@
 """ASR worker: owns sessions by lease and decodes each one's audio stream in order.
 
-Ownership follows the design contract: a worker with free capacity takes the sessions
-placement gives it (``Bus.place``: announcements of the ``sessions`` stream, consumer group
-``workers``, to the least-loaded live worker), takes ``lease:{SID}`` with ``SET NX PX``, and
-from then on alone reads ``audio:{SID}`` from the session's checkpoint (or from the very
-first entry). It renews its leases and keeps its announcements fresh; announcements whose
-owner died are claimed by placement too. ``cosyvoice/pool.py`` runs these loops in forked
-processes; ``cosyvoice/sweeper.py`` deletes abandoned sessions.
+A worker with free capacity takes the sessions placement gives it (``Bus.place``:
+announcements of the ``sessions`` stream, consumer group ``workers``, to the least-loaded
+live worker), takes ``lease:{SID}`` with ``SET NX PX``, and from then on alone reads
+``audio:{SID}`` from the session's checkpoint (or from the very first entry). It renews its
+leases and keeps its announcements fresh; announcements whose owner died are claimed by
+placement too. ``cosyvoice/pool.py`` runs these loops in forked processes;
+``cosyvoice/sweeper.py`` deletes abandoned sessions.
+
+The worker keeps the loop and the leases; what happens to a session's results is
+elsewhere: the engine's deferred stage and the session's text stages
+(cosyvoice/stages.py), and the order they are published in (cosyvoice/outbox.py).
 """
 
 from __future__ import annotations
@@ -16,34 +20,24 @@ import os
 import socket
 import time
 import uuid
-from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import redis
 
 from . import bus as busmod
-from . import finals, metrics, sweeper
+from . import metrics, stages, sweeper
 from .asr import Model, Stream, capacity_of
 from .asr.admission import Admission, Targets
+from .asr.scheduler import Load
 from .backoff import Backoff
 from .chunk_pb import AudioChunkProto, Codec
 from .codecs import RATE as OPUS_RATE
 from .codecs import OpusDecoder, packets_ms
-from .messages import (
-    Checkpoint,
-    Decoded,
-    DeferredFinal,
-    End,
-    ErrorResult,
-    Published,
-    Result,
-    Scheduled,
-    kind,
-    with_seq,
-)
+from .messages import Checkpoint, Decoded, End, ErrorResult, TextRule
+from .outbox import Outbox, Ready, entry_results
 from .protocol import parse_stored
+from .registry import ENGINES
 from .settings import Settings
 
 log = logging.getLogger("cosyvoice.worker")
@@ -79,34 +73,6 @@ OPUS_WARMUP_MS = 2000
 WARMUP_PAGE = 16
 
 
-def entry_results(session: str, entry_id: str, seq: int, last: bool,
-                  results: Sequence[Decoded], checkpoint_of: Callable[[], dict[str, Any]],
-                  ) -> tuple[list[Decoded | End], Checkpoint | None]:
-    """What one decoded audio entry publishes, and the checkpoint stored with it.
-
-    Every result carries its chunk's ``seq``. After ``last`` the session's ``end``
-    follows and the checkpoint says ``done`` (the session is finished; a worker that
-    finds it never decodes it again). After a final, the checkpoint is the stream's state
-    at this entry, so a worker taking over replays from here and sends the same finals.
-    Otherwise None: the stored checkpoint stays. Pure: ``checkpoint_of`` reads the
-    stream's state only when a checkpoint is due.
-    """
-    out: list[Decoded | End] = [with_seq(r, seq) for r in results]
-    if last:
-        return out + [End(type="end", session=session, seq=seq)], Checkpoint.finished()
-    if any(kind(r) == "final" for r in out):
-        return out, Checkpoint(entry_id, seq, checkpoint_of())
-    return out, None
-
-
-def split_ordered(results: list[Result | Scheduled | End],
-                  ) -> tuple[list[Result], list[Result | Scheduled | End]]:
-    """An entry's results as (published at once, published in order): partials go out as
-    soon as they are decoded; finals and ``end`` keep their order and carry the checkpoint."""
-    now = [r for r in results if not isinstance(r, Scheduled) and r["type"] == "partial"]
-    return now, [r for r in results if kind(r) != "partial"]
-
-
 @dataclass
 class OwnedSession:
     sid: str
@@ -115,9 +81,10 @@ class OwnedSession:
     position: str  # id of the last audio entry consumed
     next_seq: int
     rate: int
-    context: finals.Context = field(default_factory=finals.Context)
-    # finals (and the end) waiting for the finals stage, in order
-    pending: deque[finals.Pending] = field(default_factory=deque)
+    # the session's text stages, chosen from its settings (cosyvoice/stages.py)
+    rules: tuple[TextRule, ...] = ()
+    # its results on their way out, in order (cosyvoice/outbox.py)
+    outbox: Outbox = field(default_factory=Outbox)
     ended: bool = False  # ``last`` consumed: nothing more to read, the end is pending
     # The decoder of the stretch of Opus chunks being read (None on PCM): one per stretch,
     # kept across bitrate changes, flushed when PCM follows or the stream ends
@@ -141,25 +108,20 @@ class Worker:
         self._next_sweep = time.monotonic() + sweeper.SWEEP_INTERVAL_S * 0.5
         self._last_round = 0.0
         self._newest_announcement = "0-0"
-        transcribe = getattr(model, "transcribe", None)
-        # Whisper finals (cosyvoice/finals.py): in a finals process forked from this one,
-        # or (``finals_process=False``: tests that hold finals back) in a thread of it
-        self.finals = (finals.FinalsStage(transcribe, settings.finals_nice, finals_process,
-                                          getattr(model, "load_finals_decoder", None))
-                       if transcribe is not None else None)
-        # whisper-live: the process's decode scheduler (cosyvoice/asr/scheduler.py); the
-        # loop hands it every decode and publishes the results as they are done
-        start = getattr(model, "start_scheduler", None)
-        self.scheduler = (start(settings.decode_batch)
-                          if start is not None and settings.decode_batch > 0 else None)
-        # its capacity then follows what the scheduler serves (cosyvoice/asr/admission.py),
+        # The engine's deferred stage (cosyvoice/stages.py; EngineSpec.stage): the 2-pass
+        # finals process (or, ``finals_process=False``: tests that hold finals back, a
+        # thread of this one), or whisper-live's decode scheduler
+        spec = ENGINES[settings.engine]
+        self.stage = model.start_stage(finals_process) if spec.stage else None
+        # A scheduler's capacity follows what it serves (cosyvoice/asr/admission.py),
         # unless COSYVOICE_WORKER_CAPACITY fixes it
         self.admission = (
             Admission(self.capacity, ADMISSION_CEILING * self.capacity,
                       Targets(settings.final_wait_target_ms / 1000,
                               settings.partial_wait_target_ms / 1000,
                               settings.decode_busy_target))
-            if self.scheduler is not None and not settings.worker_capacity else None)
+            if spec.stage == "scheduler" and self.stage is not None
+            and not settings.worker_capacity else None)
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -228,7 +190,7 @@ class Worker:
     def _hand_over(self) -> None:
         """Publish the finals in hand, then release every session so another worker
         continues it from its checkpoint."""
-        stage = self.finals or self.scheduler
+        stage = self.stage
         if stage is not None:
             deadline = time.monotonic() + HANDOVER_FINALS_S
             try:  # the leases stay fresh meanwhile: nobody else decodes these sessions
@@ -237,8 +199,8 @@ class Worker:
                     stage.wait_idle(0.1)
             except redis.RedisError as exc:
                 log.warning("could not publish the finals in hand: %s", exc)
-            if self.finals is not None:
-                self.finals.stop()
+            if ENGINES[self.settings.engine].stage == "finals":
+                stage.stop()  # the finals process ends with this worker
         for sid in list(self.sessions):
             s = self.sessions.pop(sid)
             self._drop(s)
@@ -274,15 +236,17 @@ class Worker:
             else:
                 log.warning("lost the lease of session %s", sid, extra={"session": sid})
         self.bus.touch_announcements(self.id, [s.announcement for s in self.sessions.values()])
-        if self.scheduler is not None:
-            self._follow_scheduler()
+        if self.stage is not None:
+            self._follow_stage()
         self.bus.heartbeat(self.id, self.capacity, self.settings.lease_ttl_ms)
         metrics.worker_load(len(self.sessions), self.capacity)
 
-    def _follow_scheduler(self) -> None:
-        """Export the scheduler's load; with admission following it, set the capacity."""
-        assert self.scheduler is not None
-        load = self.scheduler.sample()
+    def _follow_stage(self) -> None:
+        """Export a scheduler's load; with admission following it, set the capacity."""
+        assert self.stage is not None
+        load = self.stage.sample()
+        if not isinstance(load, Load):
+            return  # a stage that reports no load (the finals process)
         metrics.scheduler_load(load)
         if self.admission is None:
             return
@@ -314,7 +278,7 @@ class Worker:
             stream = self.model.stream(rate, mode=info.get("mode") or None)
             position, next_seq = "0-0", 0
         owned = OwnedSession(ann.sid, ann.msg_id, stream, position, next_seq, rate,
-                             finals.Context(prompt=checkpoint.prompt if checkpoint else ""))
+                             stages.text_rules(info))
         if checkpoint:
             owned.opus = self._warm_opus(ann.sid, checkpoint.id, checkpoint.seq)
         self.sessions[ann.sid] = owned
@@ -403,7 +367,7 @@ class Worker:
                 return
             if msg.last:
                 s.ended = True
-                if not s.pending:
+                if not s.outbox.waiting:
                     self._finish(s)
                 return
 
@@ -424,69 +388,39 @@ class Worker:
                 decoded += s.stream.feed(s.opus.flush(), OPUS_RATE)
                 s.opus = None
             pcm, rate = msg.pcm, msg.sample_rate or s.rate
-        if rate != s.rate:
-            s.rate = rate
-            s.context = finals.Context()  # new audio: Whisper's context starts over
+        s.rate = rate
         return decoded + [*s.stream.feed(pcm, s.rate)]
 
     def _publish_entry(self, s: OwnedSession, entry_id: str, results: list[Decoded | End],
                        checkpoint: Checkpoint | None, last: bool) -> bool:
-        """Publish an entry's results, or queue those still being decoded, with what
-        follows them, for their turn (partials decoded now go out at once). A 2-pass
-        final goes to the finals stage. False when the session no longer exists."""
-        # results the decode scheduler has yet to decode: they keep their order with the rest
-        scheduler = any(isinstance(r, Scheduled) for r in results)
-        items: list[Result | Scheduled | End] = []
-        jobs: list[finals.Job] = []
-        for r in results:
-            if isinstance(r, DeferredFinal):
-                jobs.append(finals.Job(s.context, r.audio))
-                items.append(Scheduled(r.result, jobs[-1]))
-            else:
-                items.append(r)
-        if not jobs and not scheduler and not s.pending:
-            published: list[Published] = [r for r in items if not isinstance(r, Scheduled)]
-            metrics.observe_decode_lag(entry_id, published)
-            return self.bus.publish_results(s.sid, published, self.settings.result_ttl_s,
-                                            checkpoint, done=last)
-        stage = self.finals
-        if jobs and stage is None:
-            raise RuntimeError("a deferred final needs a model with transcribe()")
-        now: list[Result]
-        now, ordered = ([], items) if scheduler else split_ordered(items)
-        if ordered or checkpoint is not None:
-            s.pending.append(finals.Pending(entry_id, ordered, checkpoint, last))
-        if stage is not None:
-            for job in jobs:
-                stage.submit(job)
-        metrics.observe_decode_lag(entry_id, now)
-        return self.bus.publish_results(s.sid, list(now), self.settings.result_ttl_s)
+        """Run an entry's results through the session's text stages into its outbox and
+        publish what may go out now. False when the session no longer exists."""
+        ready = s.outbox.push(entry_id, stages.apply(s.rules, results), checkpoint, last)
+        return self._publish(s, ready)
+
+    def _publish(self, s: OwnedSession, ready: Ready) -> bool:
+        metrics.observe_decode_lag(ready.entry_id, ready.results)
+        return self.bus.publish_results(s.sid, ready.results, self.settings.result_ttl_s,
+                                        ready.checkpoint, done=ready.done)
 
     def _publish_finals(self) -> bool:
-        """Publish every session's finals that are decoded, in order, each with its
-        checkpoint; True while some are still being decoded."""
+        """Publish every session's deferred results that are decoded, in order, each
+        entry with its checkpoint; True while some are still being decoded."""
         waiting = False
         for s in list(self.sessions.values()):
-            while s.pending and s.pending[0].ready():
-                item = s.pending.popleft()
-                if item.failed():
+            for ready in s.outbox.ready():
+                if ready.failed:
                     self._fail(s, "decoding a final failed")
                     break
-                results = item.publishable()
-                metrics.observe_decode_lag(item.entry_id, results)
-                alive = self.bus.publish_results(s.sid, results,
-                                                 self.settings.result_ttl_s,
-                                                 item.final_checkpoint(), done=item.done)
-                if not alive or item.done:
+                if not self._publish(s, ready) or ready.done:
                     self._finish(s)
                     break
-            waiting = waiting or bool(s.pending)
+            waiting = waiting or s.outbox.waiting
         return waiting
 
     def _drop(self, s: OwnedSession) -> None:
         """This process no longer decodes the session: its finals in hand are skipped."""
-        s.context.cancelled = True
-        s.pending.clear()
+        s.outbox.clear()
         s.stream.close()
 
     def _finish(self, s: OwnedSession) -> None:

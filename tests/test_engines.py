@@ -31,7 +31,7 @@ from .helpers import (
 
 pytestmark = pytest.mark.unit
 
-CONTRACT_ENGINES = sorted(name for name, spec in ENGINES.items() if not spec.finals_stage)
+CONTRACT_ENGINES = sorted(name for name, spec in ENGINES.items() if spec.stage != "finals")
 HARVARD = harvard_texts()
 
 

@@ -23,11 +23,12 @@ from cosyvoice import scripts
 from cosyvoice.backoff import Backoff
 from cosyvoice.client import ABR_IN_FLIGHT, MAX_IN_FLIGHT, SendWindow, StreamingClient
 from cosyvoice.errors import BadChunk, Internal, SeqGap, SessionExpired
+from cosyvoice.finals import Context, Job
 from cosyvoice.gateway import Connection, ack_for, error_ack, session_event, session_limits
-from cosyvoice.messages import Checkpoint, DeferredFinal, Result, to_event
+from cosyvoice.messages import Checkpoint, Result, Scheduled, to_event
+from cosyvoice.outbox import entry_results
 from cosyvoice.protocol import NAMESPACE
 from cosyvoice.settings import Settings
-from cosyvoice.worker import entry_results
 
 pytestmark = [pytest.mark.fast, pytest.mark.unit]
 
@@ -123,9 +124,10 @@ def test_the_last_entry_ends_the_session_and_marks_it_done():
 
 
 def test_deferred_results_get_their_seq_and_the_relay_emits_each_published_kind():
-    deferred = DeferredFinal(_result("final", ""), b"\0\0")
+    job = Job(Context(), b"\0\0")
+    deferred = Scheduled(_result("final", ""), job)
     [out], _ = entry_results("s", "9-3", 6, False, [deferred], lambda: {"rate": 16000})
-    assert isinstance(out, DeferredFinal) and out.result["seq"] == 6 and out.audio == b"\0\0"
+    assert isinstance(out, Scheduled) and out.result["seq"] == 6 and out.job is job
     assert to_event("s", "7-0", _result("final", "d", seq=6)) == (
         "text", {**_result("final", "d", seq=6), "id": "7-0"})
     assert to_event("s", "7-1", {"type": "end", "session": "s", "seq": 6}) == (

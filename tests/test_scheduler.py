@@ -17,8 +17,8 @@ import pytest
 from cosyvoice.asr import live_engine
 from cosyvoice.asr.scheduler import DecodeJob, DecodeScheduler, StreamState
 from cosyvoice.asr.tiny_whisper import Decoded
-from cosyvoice.finals import Pending
-from cosyvoice.messages import Checkpoint, DeferredFinal, End, Published, Result, Scheduled
+from cosyvoice.messages import Checkpoint, End, Published, Result, Scheduled
+from cosyvoice.outbox import Pending
 from cosyvoice.settings import Settings
 
 from .helpers import finals, read_pcm, run_stream
@@ -201,8 +201,7 @@ def scheduled_run(model, pcms: list[bytes], chunk: int = 6400) -> list[list[Publ
                 out = stream.feed(pcm[pos:pos + chunk])
             else:
                 out, flushed[i] = stream.flush(), True
-            items[i].append(Pending(str(pos), [r for r in out if not isinstance(r, DeferredFinal)],
-                                    None, False))
+            items[i].append(Pending(str(pos), list(out), None, False))
     all_jobs = [j for per in items for item in per for j in item.jobs]
     wait_done(all_jobs, 120.0)
     return [[r for item in per for r in item.publishable()] for per in items]

@@ -558,7 +558,7 @@ def test_a_worker_lost_with_a_final_in_hand_loses_nothing_and_sends_nothing_twic
     assert corpus_wer([reference], [" ".join(f["text"] for f in finals)]) == 0.0, finals
     assert held.calls == ["", finals[0]["text"]]
     lost_held.gate.set()  # the lost worker's thread ends; its loop never publishes again
-    assert lost.finals is not None and lost.finals.wait_idle(30)
+    assert lost.stage is not None and lost.stage.wait_idle(30)
     assert [f["utterance"] for f in results(client, "a") if f["type"] == "final"] == [0, 1]
 
 

@@ -174,6 +174,12 @@ class ExplodingModel:
     def preload(self, n):
         pass
 
+    def after_fork(self):
+        pass
+
+    def start_stage(self, process=True):
+        return None
+
     def stream(self, sample_rate, checkpoint=None, mode=None):
         real = self.real.stream(sample_rate, checkpoint, mode=mode)
         model = self

@@ -3,9 +3,9 @@
 A ``Model`` is loaded once per worker process (before it forks, so model pages are
 shared); ``model.stream(sample_rate, checkpoint)`` opens a per-session ``Stream`` whose
 ``feed(pcm, sample_rate)`` and ``flush()`` return ``cosyvoice.messages.Decoded`` items: a
-partial or final ``Result``, or one whose decoding another stage finishes (a
-``DeferredFinal`` for the worker's finals stage, a ``Scheduled`` decode of whisper-live's
-scheduler).
+partial or final ``Result``, or a ``Scheduled`` one whose decoding the engine's deferred
+stage finishes (the 2-pass finals process, whisper-live's decode scheduler).
+The engines and what each declares are listed in ``cosyvoice/registry.py``.
 
 Engines never touch Redis or sockets: the worker publishes what they return.
 
@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from ..messages import Decoded
+from ..registry import ENGINES, SESSION_MODES, WHISPER_BACKENDS, EngineSpec
+from ..settings import Settings
+from ..stages import DeferredStage
+
+__all__ = ["ENGINES", "SESSION_MODES", "WHISPER_BACKENDS", "EngineSpec", "Model", "Stream",
+           "capacity_of", "load_model"]
 
 
 class Stream(Protocol):
@@ -39,64 +44,38 @@ class Stream(Protocol):
 class Model(Protocol):
     name: str
 
-    def preload(self, n: int) -> None: ...
+    def preload(self, n: int) -> None:
+        """Before the fork: load what the worker processes share (``n`` of them)."""
+        ...
+
+    def after_fork(self) -> None:
+        """In each worker process, before it decodes: load what cannot cross a fork."""
+        ...
+
+    def start_stage(self, process: bool = True) -> DeferredStage | None:
+        """Start the engine's deferred stage in this worker process (``EngineSpec.stage``;
+        None where it has none, or runs its decodes inline): its streams hand it their
+        decodes from now on and return them as ``Scheduled``. ``process=False`` keeps a
+        finals stage in a thread of this process (tests that hold finals back)."""
+        ...
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
                mode: str | None = None) -> Stream: ...
 
-    # Optional: ``after_fork()`` runs in each worker process before it starts decoding.
 
-
-# Backends of Whisper base finals (COSYVOICE_WHISPER_BACKEND).
-WHISPER_BACKENDS = ("torch", "ctranslate2")
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """One engine and what it declares: where its model comes from, the session modes it
-    offers (auth ``mode``; the first is the default), the sessions a worker process
-    decodes at once within the latency targets on the reference host (2 cores, measured:
-    docs/engines.md, "Capacity"), and whether its finals are decoded by the worker's finals
-    stage (the model has ``transcribe``; cosyvoice/finals.py)."""
-    name: str
-    factory: str  # "module:callable", called with (settings, default_mode)
-    modes: tuple[str, ...]
-    capacity: int
-    # CPU seconds per audio second of one real-time session on the reference host, as
-    # cosyvoice/asr/calibrate.py measures it: another host scales ``capacity`` by it.
-    reference_cost: float
-    finals_stage: bool = False
-
-
-ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
-    EngineSpec("whisper-live", "live_engine:LiveModel", ("whisper-live",), capacity=6,
-               reference_cost=0.071),
-    EngineSpec("pocketsphinx", "pocketsphinx_engine:PocketSphinxModel", ("pocketsphinx",),
-               capacity=6, reference_cost=0.094),
-    EngineSpec("2pass", "whisper_engine:TwoPassModel", ("2pass", "pocketsphinx", "whisper"),
-               capacity=1, reference_cost=0.184, finals_stage=True),
-    EngineSpec("whisper", "whisper_engine:TwoPassModel", ("whisper", "2pass", "pocketsphinx"),
-               capacity=1, reference_cost=0.184, finals_stage=True),
-    EngineSpec("null", "null_engine:NullModel", ("null",), capacity=6, reference_cost=0.001),
-)}
-# Every session mode some engine offers.
-SESSION_MODES = tuple(dict.fromkeys(m for spec in ENGINES.values() for m in spec.modes
-                                    if m != "null"))
-
-
-def capacity_of(settings) -> int:
+def capacity_of(settings: Settings) -> int:
     """Sessions one worker process decodes at once: ``COSYVOICE_WORKER_CAPACITY``, or the
     engine's own when that is 0."""
     return settings.worker_capacity or ENGINES[settings.engine].capacity
 
 
-def load_model(engine: str, settings) -> Model:
+def load_model(engine: str, settings: Settings) -> Model:
     """Load the named engine's model with the recogniser settings."""
     spec = ENGINES.get(engine)
     if spec is None:
         raise ValueError(f"unknown engine {engine!r}; choose one of {tuple(ENGINES)}")
     module, _, attr = spec.factory.partition(":")
     factory = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
-    if spec.finals_stage:
+    if spec.stage == "finals":
         return factory(settings, default_mode=engine)
     return factory(settings)

@@ -23,7 +23,7 @@ import time
 import wave
 from dataclasses import dataclass
 
-from ..messages import Decoded, DeferredFinal
+from ..messages import Decoded
 from . import ENGINES, load_model
 
 CHUNK_S = 0.2
@@ -75,9 +75,6 @@ def session_cost(model, pcm: bytes, passes: int = PASSES) -> float:
             clock.now += CHUNK_S
             results += stream.feed(pcm[i:i + size])
         results += stream.flush()
-        for r in results:
-            if isinstance(r, DeferredFinal):
-                model.transcribe(r.audio)
         cpu += time.process_time() - start
         stream.close()
     return cpu / (passes * len(pcm) / 32000)
@@ -86,8 +83,7 @@ def session_cost(model, pcm: bytes, passes: int = PASSES) -> float:
 def load_here(settings):
     """The engine's model, ready to decode in this process (as a worker process's is)."""
     model = load_model(settings.engine, settings)
-    getattr(model, "after_fork", lambda: None)()
-    getattr(model, "load_finals_decoder", lambda: None)()
+    model.after_fork()
     return model
 
 

@@ -121,6 +121,12 @@ class LiveModel:
                                           start=self.decoder.load)
         return self.runner
 
+    def start_stage(self, process: bool = True) -> DecodeScheduler | None:
+        """The engine's deferred stage: the decode scheduler, with batches of
+        ``decode_batch`` partials (None with ``decode_batch`` 0: every decode inline)."""
+        batch = self.settings.decode_batch
+        return self.start_scheduler(batch) if batch > 0 else None
+
     def vad_session(self) -> Any:
         if self._vad_session is None:
             self._vad_session = silero_session()
@@ -134,9 +140,10 @@ class LiveModel:
     def first_pass(self, sample_rate: int, checkpoint: dict | None = None,
                    partials: bool = True) -> "LiveStream":
         """A stream for the 2-pass engine: its partials (unless ``partials`` is False) and
-        its endpoints, but no final decoded here. A final comes back as a
-        ``DeferredFinal`` with its utterance's audio, for the worker's finals stage, which
-        owns the session's prompt (partials are decoded without one)."""
+        its endpoints, but no final decoded here. A final comes back without its text,
+        its utterance's audio kept for ``take_utterance_audio``: the 2-pass engine's
+        finals stage decodes it after the session's prompt (partials are decoded without
+        one)."""
         cp = {**(checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate}),
               "prompt": ""}
         return LiveStream(self, cp, defer_finals=True, partials=partials)
@@ -202,6 +209,8 @@ class LiveStream:
         s = model.settings
         self._model = model
         self._defer_finals = defer_finals  # the 2-pass engine decodes the finals
+        # a deferred final's audio, by utterance, until the 2-pass engine takes it
+        self._finished_audio: dict[int, bytes] = {}
         self._partials = partials
         self._window = s.endpoint_window_s
         self._ratio = s.endpoint_ratio
@@ -319,9 +328,12 @@ class LiveStream:
     def _ask(self, job: DecodeJob) -> list[messages.Decoded]:
         """Hand a decode to the runner: its result when decoded here and now; otherwise
         the result to be, with its ``job`` (the worker publishes it once done)."""
-        self._model.runner.submit(job)
+        runner = self._model.runner
+        runner.submit(job)
         result = cast(messages.Result, dict(job.result))
-        if not job.done:  # the worker publishes it once the job is done
+        # With a scheduler every decode comes back as Scheduled, even one its thread has
+        # already finished: the outbox keeps all of them in order
+        if isinstance(runner, DecodeScheduler):
             return [messages.Scheduled(result, job)]
         return [] if job.dropped else [result]
 
@@ -341,11 +353,17 @@ class LiveStream:
         if self._defer_finals:  # every utterance is one, whatever its final says
             st = self._state
             st.hyp, st.last_partial = [], ""
-            result.update(utterance=st.utterance)
+            utterance = st.utterance
+            result.update(utterance=utterance)
             st.utterance += 1
-            return [messages.DeferredFinal(cast(messages.Result, result), bytes(self._utt_pcm))]
+            self._finished_audio[utterance] = bytes(self._utt_pcm)
+            return [cast(messages.Result, result)]
         return self._ask(DecodeJob("final", self._state, bytes(self._utt_pcm), result,
                                    _finish_final))
+
+    def take_utterance_audio(self, utterance: int) -> bytes:
+        """A deferred final's audio (``defer_finals``), as PocketSphinx's stream gives it."""
+        return self._finished_audio.pop(utterance, b"")
 
     def flush(self) -> list[messages.Decoded]:
         """End of stream: decode what is buffered and return the last final."""

@@ -41,6 +41,12 @@ class NullModel:
     def preload(self, n: int) -> None:
         pass
 
+    def after_fork(self) -> None:
+        pass
+
+    def start_stage(self, process: bool = True) -> None:
+        return None  # every result is decoded at once
+
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
                mode: str | None = None) -> NullStream:
         return NullStream(sample_rate, checkpoint)

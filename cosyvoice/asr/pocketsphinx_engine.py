@@ -66,6 +66,12 @@ class PocketSphinxModel:
         while len(self._free) < n:
             self._free.append(self._new_decoder())
 
+    def after_fork(self) -> None:
+        pass  # the decoders made before the fork serve this process as they are
+
+    def start_stage(self, process: bool = True) -> None:
+        return None  # every result is decoded in the worker's loop
+
     def _take(self) -> pocketsphinx.Decoder:
         if self._free:
             return self._free.pop()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -34,12 +33,13 @@ from typing import Any, Callable
 import numpy as np
 
 # Whisper's own safety rules, shared with the 2-pass engine's finals.
-from .whisper_engine import (
+from .whisper_rules import (  # noqa: F401 - limit_threads: callers import it from here
     FULL_WINDOW_S,
     NO_SPEECH_LOGPROB,
     NO_SPEECH_PROB,
     PAD_S,
     degenerate,
+    limit_threads,
     token_cap,
 )
 
@@ -60,22 +60,6 @@ FULL_WINDOW_MAX_TOKENS = 224  # Whisper's own sample_len: half the text context
 # faster-whisper's defaults: punctuation that belongs to the next or the previous word.
 PREPEND_PUNCTUATION = "\"'“¿([{-"
 APPEND_PUNCTUATION = "\"'.。,，!！?？:：”)]}、"
-
-
-def limit_threads(threads: int) -> None:
-    """Give the numerical libraries of this process ``threads`` threads each.
-
-    Unlimited, numpy's OpenBLAS (the log-mel's matrix product) and CTranslate2's OpenMP
-    runtime (the libgomp in its wheel) each keep one thread per core, and the idle ones
-    spin-wait after every call: decoding on one thread cost 0.23 CPU-s per 3 s final
-    instead of 0.13, at the same wall time (docs/engines.md). OpenBLAS is limited at once
-    (threadpoolctl); libgomp reads OMP_NUM_THREADS when CTranslate2 is first imported, so
-    call this before that import.
-    """
-    from threadpoolctl import threadpool_limits
-
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    threadpool_limits(limits=threads, user_api="blas")
 
 
 class ModelDataError(RuntimeError):

@@ -1,8 +1,8 @@
 """2-pass recognition: a first pass for partials and endpoints, Whisper base finals.
 
 The first pass runs the endpointer and the streaming partials: whisper-live's
-(``LiveFirstPass`` over ``live_engine.py``: Silero VAD, Whisper tiny.en) or PocketSphinx's
-(``TwoPassStream``; ``COSYVOICE_TWOPASS_PARTIALS``). When it closes an utterance
+(``LiveModel.first_pass``: Silero VAD, Whisper tiny.en) or PocketSphinx's
+(``COSYVOICE_TWOPASS_PARTIALS``); ``TwoPassStream`` runs either. When it closes an utterance
 (endpoint, length cap, or ``last``), the audio of that utterance (pre-roll included) is
 decoded again by Whisper base, and that text is the utterance's final, marked
 ``"engine": "whisper"``. A session chooses
@@ -28,32 +28,31 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..messages import Decoded, DeferredFinal
-from . import ENGINES, WHISPER_BACKENDS
-from .pocketsphinx_engine import MODEL_RATE, PocketSphinxModel, PocketSphinxStream
-
-# Silence added around an utterance before Whisper sees it: the endpointer cuts close to
-# the last word, and Whisper drops a final word that runs into the end of its input.
-PAD_S = 0.2
-# Whisper's own rule for a window with no speech (openai-whisper transcribe()).
-NO_SPEECH_PROB = 0.6
-NO_SPEECH_LOGPROB = -1.0
-
+from .. import finals
+from ..messages import Decoded, Result, Scheduled
+from ..registry import ENGINES, WHISPER_BACKENDS
+from ..settings import Settings
+from .pocketsphinx_engine import MODEL_RATE, PocketSphinxModel
+from .whisper_rules import (  # noqa: F401 - the rules' names, as the 2-pass engine uses them
+    COMPRESSION_RATIO_MAX,
+    FULL_WINDOW_S,
+    MAX_TOKENS_PER_S,
+    NO_SPEECH_LOGPROB,
+    NO_SPEECH_PROB,
+    PAD_S,
+    TOKEN_SLACK,
+    degenerate,
+    limit_threads,
+    token_cap,
+)
 
 # The encoder window (torch backend): Whisper's encoder reads 30 s of mel whatever the
 # utterance's length, and its cost is close to linear in the window. A final is decoded
 # with the smallest window that holds the utterance plus WINDOW_MARGIN_S, never below the
 # floor (``whisper_window_floor_s``; 0 keeps the full window): windows much shorter than
 # Whisper's training make it repeat itself (docs/benchmarks.md, "Encoder window").
-FULL_WINDOW_S = 30
 WINDOW_SIZES_S = (10, 12, 15, 20, 25, FULL_WINDOW_S)
 WINDOW_MARGIN_S = 1.0
-# Safety nets for a short window: a final may produce at most this many tokens per second
-# of audio (plus a few), and one that is degenerate (Whisper's own compression-ratio rule,
-# or as many tokens as the cap allows) is decoded again with the full window.
-MAX_TOKENS_PER_S = 10.0
-TOKEN_SLACK = 10
-COMPRESSION_RATIO_MAX = 2.4
 
 
 def window_s(duration_s: float, floor_s: int) -> int:
@@ -65,17 +64,6 @@ def window_s(duration_s: float, floor_s: int) -> int:
         if size >= need:
             return min(size, FULL_WINDOW_S)
     return FULL_WINDOW_S
-
-
-def token_cap(duration_s: float) -> int:
-    """The most tokens a final of ``duration_s`` may produce in a short window."""
-    return int(MAX_TOKENS_PER_S * duration_s) + TOKEN_SLACK
-
-
-def degenerate(compression_ratio: float, tokens: int, cap: int) -> bool:
-    """A result no speaker produces: text that compresses too well (repetition), or a
-    decode that ran to its token cap."""
-    return compression_ratio > COMPRESSION_RATIO_MAX or tokens >= cap
 
 
 def _float_audio(pcm: bytes) -> np.ndarray:
@@ -243,7 +231,6 @@ class CT2Whisper:
     def load(self):
         if self._model is None:
             from .device import resolve_compute_type, resolve_device
-            from .tiny_whisper import limit_threads
             limit_threads(self.threads)  # before CTranslate2 is imported
             from faster_whisper import WhisperModel
             self.device = resolve_device(self.device)
@@ -293,14 +280,22 @@ def load_backend(settings):
 
 
 class TwoPassModel:
-    """PocketSphinx decoders plus one Whisper final decoder, shared by a worker's sessions."""
+    """PocketSphinx decoders plus one Whisper final decoder, shared by a worker's sessions.
 
-    def __init__(self, settings, default_mode: str = "2pass", backend=None):
+    Its finals are decoded where ``finals`` runs them: inline (``InlineFinals``: in the
+    caller's thread, as calibration and direct decodes do) until ``start_stage`` gives
+    the worker process its finals stage (cosyvoice/finals.py); from then on a stream's
+    finals come back as ``Scheduled``, with a job the outbox waits for.
+    """
+
+    def __init__(self, settings: Settings, default_mode: str = "2pass", backend=None):
         self.settings = settings
         self.default_mode = default_mode
         self.name = default_mode
         self.ps = PocketSphinxModel(settings)
         self.backend = backend or load_backend(settings)
+        self.finals: finals.InlineFinals | finals.FinalsStage = finals.InlineFinals(
+            self._transcribe)
         # COSYVOICE_TWOPASS_PARTIALS=whisper-live: partials and endpoints of the "2pass"
         # and "whisper" modes from whisper-live (docs/engines.md, "2-pass partials"); it
         # loads on its first decode, after the finals process has forked from the worker
@@ -322,79 +317,91 @@ class TwoPassModel:
         if load is not None:
             load()
 
+    def start_stage(self, process: bool = True) -> finals.FinalsStage:
+        """This worker process's finals stage: a finals process forked from it now (or,
+        ``process=False``, a thread of it), at ``finals_nice``."""
+        self.finals = finals.FinalsStage(self._transcribe, self.settings.finals_nice, process,
+                                         self.load_finals_decoder)
+        return self.finals
+
+    def _transcribe(self, pcm: bytes, prompt: str) -> str:
+        return self.transcribe(pcm, prompt)
+
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
-               mode: str | None = None) -> FirstPassStream:
+               mode: str | None = None) -> TwoPassStream:
         mode = (checkpoint or {}).get("mode") or mode or self.default_mode
         if mode not in ENGINES["2pass"].modes:
             mode = self.default_mode
-        ps_cp = None
+        first_cp = None
         if checkpoint is not None:
-            ps_cp = {k: v for k, v in checkpoint.items() if k != "mode"}
+            first_cp = {k: v for k, v in checkpoint.items() if k != "mode"}
+        context = finals.Context(prompt=str((checkpoint or {}).get("prompt", "")))
         if self.live is not None and mode != "pocketsphinx":
-            return LiveFirstPass(self.live.first_pass(sample_rate, ps_cp,
-                                                      partials=mode == "2pass"), mode)
-        ps_stream = self.ps.stream(sample_rate, ps_cp)
+            first = self.live.first_pass(sample_rate, first_cp, partials=mode == "2pass")
+            return TwoPassStream(self, first, mode, sample_rate, context)
+        ps_stream = self.ps.stream(sample_rate, first_cp)
         ps_stream.keep_audio = mode != "pocketsphinx"
-        return TwoPassStream(ps_stream, mode)
+        return TwoPassStream(self, ps_stream, mode, sample_rate, context)
 
     def transcribe(self, pcm: bytes, prompt: str = "") -> str:
         """The Whisper final of one utterance (16 kHz PCM), after the text ``prompt``."""
         return self.backend.decode([_float_audio(pcm)], prompt)[0][0]
 
 
-class FirstPassStream:
-    """A 2-pass session: the first pass's stream (partials, endpoints, checkpoint) with its
-    results handed to ``_second_pass``, which marks the finals for the finals stage."""
+class TwoPassStream:
+    """A 2-pass session: the first pass's stream (whisper-live's, ``LiveModel.first_pass``,
+    or PocketSphinx's) gives partials, endpoints and the checkpoint; each final it closes
+    goes, with its utterance's audio, to the model's finals (``finals.Job``), decoded
+    after the session's prompt (``context``). In ``pocketsphinx`` mode PocketSphinx's own
+    finals are the session's."""
 
-    def __init__(self, first, mode: str):
+    def __init__(self, model: TwoPassModel, first, mode: str, rate: int,
+                 context: finals.Context):
+        self._model = model
         self._first = first
         self.mode = mode
+        self._rate = rate
+        self.context = context
 
     @property
     def checkpoint(self) -> dict:
         return {**self._first.checkpoint, "mode": self.mode}
 
-    def _second_pass(self, results: Sequence[Decoded]) -> list[Decoded]:
-        raise NotImplementedError
-
     def feed(self, pcm: bytes, sample_rate: int | None = None) -> list[Decoded]:
+        if sample_rate and sample_rate != self._rate:
+            self._rate = sample_rate
+            # new audio: Whisper's context starts over (the finals in hand keep theirs)
+            self.context = finals.Context()
         return self._second_pass(self._first.feed(pcm, sample_rate))
 
     def flush(self) -> list[Decoded]:
         return self._second_pass(self._first.flush())
 
     def close(self) -> None:
+        self.context.cancelled = True  # the finals in hand are skipped
         self._first.close()
-
-
-class TwoPassStream(FirstPassStream):
-    """PocketSphinx's first pass: its partials, and in ``pocketsphinx`` mode its finals."""
-
-    def __init__(self, ps: PocketSphinxStream, mode: str):
-        super().__init__(ps, mode)
-        self._ps = ps
 
     def _second_pass(self, results: Sequence[Decoded]) -> list[Decoded]:
         out: list[Decoded] = []
         for r in results:
-            assert isinstance(r, dict), "PocketSphinx decodes every result itself"
+            assert isinstance(r, dict), "the first pass decodes its partials itself"
             if self.mode == "pocketsphinx":
                 out.append({**r, "engine": "pocketsphinx"} if r["type"] == "final" else r)
             elif r["type"] == "partial":
                 if self.mode == "2pass":
                     out.append(r)
             else:
-                # decoded by the worker's finals stage (cosyvoice/finals.py), which
-                # gives the text of model.transcribe(audio, prompt)
-                out.append(DeferredFinal({**r, "text": "", "words": [], "engine": "whisper"},
-                                         self._ps.take_utterance_audio(r["utterance"])))
+                out += self._final({**r, "text": "", "words": [], "engine": "whisper"},
+                                   self._first.take_utterance_audio(r["utterance"]))
         return out
 
-
-class LiveFirstPass(FirstPassStream):
-    """whisper-live's first pass (``LiveModel.first_pass``): its finals are already
-    ``DeferredFinal``s for the finals stage, as TwoPassStream makes PocketSphinx's."""
-
-    def _second_pass(self, results: Sequence[Decoded]) -> list[Decoded]:
-        return [dataclasses.replace(r, result={**r.result, "engine": "whisper"})
-                if isinstance(r, DeferredFinal) else r for r in results]
+    def _final(self, result: Result, audio: bytes) -> list[Decoded]:
+        """Hand a final to the model's finals: decoded now when they run inline,
+        otherwise the final to be, with its job."""
+        job = finals.Job(self.context, audio)
+        runner = self._model.finals
+        runner.submit(job)
+        if isinstance(runner, finals.FinalsStage):
+            return [Scheduled(result, job)]
+        decoded = Scheduled(result, job).decoded()
+        return [decoded] if decoded is not None else []

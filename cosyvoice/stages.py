@@ -1,0 +1,93 @@
+"""Stages: what happens to a session's results between its engine and its outbox.
+
+A session's results pass, in this order, through
+
+1. its engine's **deferred stage**, if the engine has one (``EngineSpec.stage``): a
+   process-wide decoder that finishes results off the worker's loop and hands them back as
+   ``messages.Scheduled`` (the 2-pass finals process, cosyvoice/finals.py; whisper-live's
+   decode scheduler, cosyvoice/asr/scheduler.py). The model starts it once per worker
+   process (``Model.start_stage``); the worker only samples its load, waits for it at
+   hand-over and stops it;
+2. its **text stages**: pure rules ``(session settings) -> (Result -> Result)`` (script
+   conversion, number formatting), chosen from the session's settings when the worker
+   takes the session (and chosen again, identically, by a worker that takes it over: the
+   settings are stored with the session). A rule runs on a result when it is decoded: at
+   once for a result decoded now, when its job is done for a ``Scheduled`` one;
+3. its **outbox** (cosyvoice/outbox.py), which publishes them in order.
+
+Adding a text stage is one module with a ``TextStage`` and one line in ``TEXT_STAGES``
+(docs/architecture.md, "Adding a stage"). Each stage declares its ``cost`` (CPU seconds per
+audio second of a real-time session), which admission adds to the engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
+
+from .messages import End, Result, Scheduled, TextRule
+
+Item = Result | Scheduled | End
+
+
+class DeferredStage(Protocol):
+    """A deferred stage as the worker sees it (``Model.start_stage`` returns one)."""
+
+    def sample(self) -> object | None:
+        """The stage's load since the last call (a scheduler's ``Load``), or None where
+        the stage reports none."""
+        ...
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing handed over is left to decode; False on timeout."""
+        ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class TextStage:
+    """One text stage: ``wanted(settings)`` says whether a session with these settings
+    (its hash in Redis: ``mode``, ``language``, …) runs it, ``rule(settings)`` gives the
+    rule it runs on each of that session's results, and ``cost`` its CPU seconds per
+    audio second."""
+    name: str
+    wanted: Callable[[Mapping[str, str]], bool]
+    rule: Callable[[Mapping[str, str]], TextRule]
+    cost: float = 0.0
+
+
+# The text stages, in the order they run. The next issues add script conversion and
+# number formatting here, each one line.
+TEXT_STAGES: tuple[TextStage, ...] = ()
+
+
+def text_rules(session: Mapping[str, str],
+               stages: Sequence[TextStage] = TEXT_STAGES) -> tuple[TextRule, ...]:
+    """The rules a session with these settings runs, in order."""
+    return tuple(stage.rule(session) for stage in stages if stage.wanted(session))
+
+
+def text_cost(session: Mapping[str, str], stages: Sequence[TextStage] = TEXT_STAGES) -> float:
+    """What a session's text stages add to its cost."""
+    return sum(stage.cost for stage in stages if stage.wanted(session))
+
+
+def apply(rules: Sequence[TextRule], items: Sequence[Item]) -> list[Item]:
+    """The items with the rules run on every partial and final: now on a result decoded
+    now, once decoded on a ``Scheduled`` one. ``end`` passes as it is."""
+    if not rules:
+        return list(items)
+    out: list[Item] = []
+    for item in items:
+        if isinstance(item, Scheduled):
+            out.append(replace(item, rules=item.rules + tuple(rules)))
+        elif item["type"] == "end":
+            out.append(item)
+        else:
+            result: Result = item
+            for rule in rules:
+                result = rule(result)
+            out.append(result)
+    return out
