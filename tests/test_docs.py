@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tomllib
 
 import pytest
+import yaml
 
 from cosyvoice.errors import ERROR_CODES
 from cosyvoice.gateway import Connection, session_event, session_limits
@@ -80,8 +82,9 @@ def _same(documented: str, value: str) -> bool:
 
 
 def test_the_task_runner_runs_the_readme_test_command():
-    """`make install test` is the README's command to install and run every test, and
-    docs/development.md and .ci/run give the same command."""
+    """`make install test` is the README's command to install and run every test,
+    docs/development.md gives the same command, and .ci/run runs it as `make install
+    test`."""
     pattern = r"^(?:python -m )?pip install -e '\.\[test\]' && .*python -m pytest$"
     command = re.search(pattern, (ROOT / "README.md").read_text(), re.M)
     assert command is not None
@@ -89,10 +92,27 @@ def test_the_task_runner_runs_the_readme_test_command():
                          text=True, timeout=30, check=True).stdout.splitlines()
     steps = [s.replace("python -m pip ", "pip ") for s in dry]
     assert steps == command.group(0).split(" && ")
-    for other in (DOCS / "development.md", ROOT / ".ci" / "run"):
-        found = re.search(pattern, other.read_text(), re.M)
-        assert found is not None, other
-        assert found.group(0).replace("python -m pip ", "pip ") == command.group(0), other
+    found = re.search(pattern, (DOCS / "development.md").read_text(), re.M)
+    assert found is not None
+    assert found.group(0).replace("python -m pip ", "pip ") == command.group(0)
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == "make install test"
+
+
+def test_the_changelog_names_the_version_being_released():
+    """The newest release in CHANGELOG.md is pyproject.toml's version."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    releases = re.findall(r"^## (\d+\.\d+\.\d+) \(\d{4}-\d{2}-\d{2}\)$",
+                          (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert releases and releases[0] == project["version"]
+
+
+def test_the_commit_hooks_run_the_gates_of_the_task_runner():
+    hooks = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    entries = {hook["entry"] for repo in hooks["repos"] for hook in repo["hooks"]}
+    dry = subprocess.run(["make", "-n", "lint", "types"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30, check=True).stdout.splitlines()
+    assert entries == set(dry)
 
 
 def test_the_readme_links_to_pages_and_anchors_that_exist():
