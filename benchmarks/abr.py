@@ -65,6 +65,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import markdown  # noqa: E402
 from benchmarks.stack import Stack, percentile, read_fixture  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
 from cosyvoice.settings import Settings  # noqa: E402
@@ -383,20 +384,17 @@ def run_cell(stack: Stack, profile: Profile, abr: bool, audio: list[tuple[str, s
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| profile | mode | failed | 95 % CI | why | chunk lag P50 / P95 / P99 s "
-             "| final P50 / P95 s | switches / session | audio per rung | mean WER |",
-             "|" + "---|" * 10]
-    for r in rows:
-        rungs = ", ".join(f"{k} {100 * v:.0f} %" for k, v in r["on_rung"].items() if v)
-        lines.append(
-            f"| {r['profile']} | {r['mode']} | {r['failures']}/{r['sessions']} | "
-            f"{100 * r['failure_ci'][0]:.0f}-{100 * r['failure_ci'][1]:.0f} % | "
-            f"{', '.join(f'{k} {n}' for k, n in r['why'].items()) or '-'} | "
-            f"{r['lag_p50']:.2f} / {r['lag_p95']:.2f} / {r['lag_p99']:.2f} | "
-            f"{r['final_p50']:.2f} / {r['final_p95']:.2f} | "
-            f"{r['switches_per_session']:.1f} | {rungs} | "
-            f"{100 * r['wer_mean']:.1f} % |")
-    return "\n".join(lines)
+    header = ["profile", "mode", "failed", "95 % CI", "why", "chunk lag P50 / P95 / P99 s",
+              "final P50 / P95 s", "switches / session", "audio per rung", "mean WER"]
+    return markdown(header, (
+        [r["profile"], r["mode"], f"{r['failures']}/{r['sessions']}",
+         f"{100 * r['failure_ci'][0]:.0f}-{100 * r['failure_ci'][1]:.0f} %",
+         ", ".join(f"{k} {n}" for k, n in r["why"].items()) or "-",
+         f"{r['lag_p50']:.2f} / {r['lag_p95']:.2f} / {r['lag_p99']:.2f}",
+         f"{r['final_p50']:.2f} / {r['final_p95']:.2f}",
+         f"{r['switches_per_session']:.1f}",
+         ", ".join(f"{k} {100 * v:.0f} %" for k, v in r["on_rung"].items() if v),
+         f"{100 * r['wer_mean']:.1f} %"] for r in rows))
 
 
 def main() -> None:

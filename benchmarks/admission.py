@@ -49,6 +49,7 @@ from benchmarks.engines import (  # noqa: E402
     groups,
     meets,
 )
+from benchmarks.report import markdown, pair, save_json  # noqa: E402
 from benchmarks.stack import Stack  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
 from cosyvoice import bus as busmod  # noqa: E402
@@ -213,21 +214,18 @@ def main() -> None:
         level = run(scenario, args.offered, args.workers, args.seconds, args.hog)
         report["scenarios"].append(level)
         print(json.dumps(level), file=sys.stderr, flush=True)
-    print("| scenario | decoding (mean) | capacity mean [min, max] | schedulers busy | refusals "
-          "| partial P50 / P95 ms | final P50 / P95 ms | steady partial / final P95 ms "
-          "| queue wait P95 final / partial ms | meets (steady) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in report["scenarios"]:
-        p, f, w = r["partial_ms"], r["final_ms"], r["scheduler_wait_p95_ms"]
-        print(f"| {r['scenario']} | {r['decoding_mean']} | {r['capacity_mean']} "
-              f"{r['capacity_min_max']} | {r['busy_mean']} | {r['refusals']} | "
-              f"{p.get('p50')} / {p.get('p95')} | "
-              f"{f.get('p50')} / {f.get('p95')} | {r['steady_partial_ms'].get('p95')} / "
-              f"{r['steady_final_ms'].get('p95')} | {w.get('final')} / {w.get('partial')} | "
-              f"{'yes' if r['meets'] else 'no'} |")
+    print(markdown(
+        ["scenario", "decoding (mean)", "capacity mean [min, max]", "schedulers busy",
+         "refusals", "partial P50 / P95 ms", "final P50 / P95 ms",
+         "steady partial / final P95 ms", "queue wait P95 final / partial ms",
+         "meets (steady)"],
+        ([r["scenario"], r["decoding_mean"], f"{r['capacity_mean']} {r['capacity_min_max']}",
+          r["busy_mean"], r["refusals"], pair(r["partial_ms"]), pair(r["final_ms"]),
+          f"{r['steady_partial_ms'].get('p95')} / {r['steady_final_ms'].get('p95')}",
+          pair(r["scheduler_wait_p95_ms"], "final", "partial"),
+          "yes" if r["meets"] else "no"] for r in report["scenarios"])))
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(report, fh, indent=1)
+        save_json(args.json_out, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import redis
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import markdown, pair  # noqa: E402
 from benchmarks.transport import CpuMeter, machine, run_level, speech  # noqa: E402
 from tests import launcher  # noqa: E402
 from tests.cluster import REDIS_SERVER, Cluster, Node, redis_cluster  # noqa: E402
@@ -135,18 +136,15 @@ def estimate(results: list[dict], masters: int) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| target | streams | lost | ack P50 / P99 ms | partial P50 / P99 ms "
-             "| gateway µs/chunk | redis µs/chunk | workers µs/chunk | redis calls/chunk "
-             "| redis net B/chunk |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        c = r["cpu_us_per_chunk"]
-        lines.append(
-            f"| {r['target']} | {r['connected']}/{r['streams']} | {r['lost']} | "
-            f"{r['ack_ms'].get('p50', '-')} / {r['ack_ms'].get('p99', '-')} | "
-            f"{r['partial_ms'].get('p50', '-')} / {r['partial_ms'].get('p99', '-')} | "
-            f"{c.get('gateway')} | {r['redis_us_per_chunk']} | {c.get('workers')} | "
-            f"{r['redis_calls_per_chunk']} | {r['redis_net_bytes_per_chunk']} |")
-    return "\n".join(lines)
+    header = ["target", "streams", "lost", "ack P50 / P99 ms", "partial P50 / P99 ms",
+              "gateway µs/chunk", "redis µs/chunk", "workers µs/chunk", "redis calls/chunk",
+              "redis net B/chunk"]
+    return markdown(header, (
+        [r["target"], f"{r['connected']}/{r['streams']}", r["lost"],
+         pair(r["ack_ms"], "p50", "p99", "-"), pair(r["partial_ms"], "p50", "p99", "-"),
+         r["cpu_us_per_chunk"].get("gateway"), r["redis_us_per_chunk"],
+         r["cpu_us_per_chunk"].get("workers"), r["redis_calls_per_chunk"],
+         r["redis_net_bytes_per_chunk"]] for r in results))
 
 
 async def main_async(args) -> dict:

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import markdown  # noqa: E402
 from benchmarks.stack import Stack, read_fixture  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
 from cosyvoice import codecs  # noqa: E402
@@ -116,17 +117,14 @@ def run_engine(engine: str, bitrates: list[int], workers: int, concurrency: int 
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| engine | rung | sessions | errors | WER | Δ WER vs PCM | bytes / audio s | "
-            "kbit/s | × PCM bytes | gateway CPU ms / audio s | workers CPU ms / audio s |")
-    lines = [head, "|" + "---|" * 11]
-    for r in rows:
-        lines.append(
-            f"| {r['engine']} | {r['rung']} | {r['sessions']} | {r['errors']} | "
-            f"{100 * r['wer']:.1f} % | {100 * r['wer_delta']:+.1f} | "
-            f"{r['bytes_per_audio_s']} | {8 * r['bytes_per_audio_s'] / 1000:.1f} | "
-            f"{r['bytes_ratio']:.3f} | {1000 * r['gateway_cpu_per_audio_s']:.1f} | "
-            f"{1000 * r['workers_cpu_per_audio_s']:.0f} |")
-    return "\n".join(lines)
+    header = ["engine", "rung", "sessions", "errors", "WER", "Δ WER vs PCM", "bytes / audio s",
+              "kbit/s", "× PCM bytes", "gateway CPU ms / audio s", "workers CPU ms / audio s"]
+    return markdown(header, (
+        [r["engine"], r["rung"], r["sessions"], r["errors"], f"{100 * r['wer']:.1f} %",
+         f"{100 * r['wer_delta']:+.1f}", r["bytes_per_audio_s"],
+         f"{8 * r['bytes_per_audio_s'] / 1000:.1f}", f"{r['bytes_ratio']:.3f}",
+         f"{1000 * r['gateway_cpu_per_audio_s']:.1f}",
+         f"{1000 * r['workers_cpu_per_audio_s']:.0f}"] for r in rows))
 
 
 def main() -> None:

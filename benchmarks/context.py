@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.finals import corpus_wer, load_backend, normalizer  # noqa: E402
+from benchmarks.report import markdown  # noqa: E402
 from benchmarks.window import read_wav, speak  # noqa: E402
 from cosyvoice import finals  # noqa: E402
 from cosyvoice.asr import whisper_engine as we  # noqa: E402
@@ -155,13 +156,16 @@ def main() -> None:
                          "repeats": repeats(r["hyps"]), "cpu_s": round(r["cpu_s"], 3),
                          "hyps": r["hyps"]})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "hyps"}), flush=True)
-    print("\n| backend | prompt | WER | finals repeating earlier text | CPU per final |")
-    print("|---|---|---|---|---|")
-    for r in rows:
+
+    def cells(r: dict) -> list:
         base = next(b for b in rows if b["backend"] == r["backend"] and not b["prompt"])
-        print(f"| {r['backend']} | {'previous finals' if r['prompt'] else 'none'} "
-              f"| {r['wer']:.1%} | {r['repeats']} of {len(audios)} "
-              f"| {r['cpu_s']:.2f} s ({r['cpu_s'] / base['cpu_s']:.2f}×) |")
+        return [r["backend"], "previous finals" if r["prompt"] else "none", f"{r['wer']:.1%}",
+                f"{r['repeats']} of {len(audios)}",
+                f"{r['cpu_s']:.2f} s ({r['cpu_s'] / base['cpu_s']:.2f}×)"]
+
+    print()
+    print(markdown(["backend", "prompt", "WER", "finals repeating earlier text",
+                    "CPU per final"], map(cells, rows)))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "durations_s": durations},
                                               indent=2))

@@ -35,6 +35,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.finals import corpus_wer, texts  # noqa: E402
+from benchmarks.report import markdown, pair, save_json  # noqa: E402
 from benchmarks.stack import Stack, fixture_names, percentile, read_fixture  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
@@ -148,17 +149,15 @@ def main() -> None:
     for n in (int(x) for x in args.levels.split(",")):
         rows.append(run_level(n, args))
         print(json.dumps(rows[-1]), flush=True)
-    print("\n| sessions | partial P50 / P99 | final P50 / P95 | last → final P50 / P95 "
-          "| WER | core per session: loop + finals |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        p, f, lt = r["partial_ms"], r["final_ms"], r["last_to_final_ms"]
-        print(f"| {r['sessions']} | {p['p50']} / {p['p99']} ms | {f['p50']} / {f['p95']} ms "
-              f"| {lt['p50']} / {lt['p95']} ms | {r['wer']:.1%} "
-              f"| {r['loop_cpu_per_audio_s']} + {r['finals_cpu_per_audio_s']} |")
+    print()
+    print(markdown(
+        ["sessions", "partial P50 / P99", "final P50 / P95", "last → final P50 / P95", "WER",
+         "core per session: loop + finals"],
+        ([r["sessions"], pair(r["partial_ms"], "p50", "p99") + " ms",
+          pair(r["final_ms"]) + " ms", pair(r["last_to_final_ms"]) + " ms", f"{r['wer']:.1%}",
+          f"{r['loop_cpu_per_audio_s']} + {r['finals_cpu_per_audio_s']}"] for r in rows)))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"machine": machine(), "args": vars(args), "rows": rows}, fh, indent=2)
+        save_json(args.json, {"machine": machine(), "args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import redis as redislib
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.capacity import GAP, Client, _dist  # noqa: E402
+from benchmarks.report import markdown, pair, save_json  # noqa: E402
 from benchmarks.stack import POCKETSPHINX, ROOT, Stack  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
 from cosyvoice import bus as busmod  # noqa: E402
@@ -200,18 +201,15 @@ def main() -> None:
                 level = run_level(k, args.workers, args.seconds, root, tail)
                 levels.append(level)
                 print(json.dumps(level), file=sys.stderr, flush=True)
-    print("| audio ends | sessions | code | `last` → final P50 / P95 ms | partial P50 / P99 ms "
-          "| spread max / mean | errors | worker cores |")
-    print("|---|---|---|---|---|---|---|---|")
-    for lv in levels:
-        f, p, sp = lv["last_to_final_ms"], lv["partial_ms"], lv["placement_spread"]
-        print(f"| {'with speech' if lv['tail'] == 'none' else '0.5 s silence'} "
-              f"| {lv['sessions']} | {lv['code']} | {f.get('p50')} / {f.get('p95')} "
-              f"| {p.get('p50')} / {p.get('p99')} | {sp['max']} / {sp['mean']} "
-              f"| {lv['error_count']} | {lv['cpu_cores']['workers']} |")
+    print(markdown(
+        ["audio ends", "sessions", "code", "`last` → final P50 / P95 ms",
+         "partial P50 / P99 ms", "spread max / mean", "errors", "worker cores"],
+        (["with speech" if lv["tail"] == "none" else "0.5 s silence", lv["sessions"],
+          lv["code"], pair(lv["last_to_final_ms"]), pair(lv["partial_ms"], "p50", "p99"),
+          pair(lv["placement_spread"], "max", "mean"), lv["error_count"],
+          lv["cpu_cores"]["workers"]] for lv in levels)))
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, indent=2)
+        save_json(args.json_out, report)
 
 
 if __name__ == "__main__":

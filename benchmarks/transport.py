@@ -38,6 +38,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import markdown, pair  # noqa: E402
 from benchmarks.sioload import ChunkSource, LoadGenerator  # noqa: E402
 from benchmarks.stack import Stack, fixture_names, percentile, read_fixture  # noqa: E402
 from cosyvoice.embedded_redis import free_port  # noqa: E402
@@ -145,19 +146,15 @@ def machine() -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| target | streams | chunks/s | lost | ack P50 / P99 ms | partial P50 / P99 ms "
-             "| server CPU µs/chunk | ratio to echo | generator cores | holds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        ratio = r.get("ratio_to_echo")
-        lines.append(
-            f"| {r['target']} | {r['connected']}/{r['streams']} | {r['chunks_per_s']} | "
-            f"{r['lost']} | {r['ack_ms'].get('p50', '-')} / {r['ack_ms'].get('p99', '-')} | "
-            f"{r['partial_ms'].get('p50', '-')} / {r['partial_ms'].get('p99', '-')} | "
-            f"{r['cpu_us_per_chunk'].get('server', '-')} | "
-            f"{'' if ratio is None else ratio} | {r['cpu_cores']['generator']} | "
-            f"{'yes' if holds(r) else 'no'} |")
-    return "\n".join(lines)
+    header = ["target", "streams", "chunks/s", "lost", "ack P50 / P99 ms",
+              "partial P50 / P99 ms", "server CPU µs/chunk", "ratio to echo",
+              "generator cores", "holds"]
+    return markdown(header, (
+        [r["target"], f"{r['connected']}/{r['streams']}", r["chunks_per_s"], r["lost"],
+         pair(r["ack_ms"], "p50", "p99", "-"), pair(r["partial_ms"], "p50", "p99", "-"),
+         r["cpu_us_per_chunk"].get("server", "-"),
+         "" if r.get("ratio_to_echo") is None else r["ratio_to_echo"],
+         r["cpu_cores"]["generator"], "yes" if holds(r) else "no"] for r in results))
 
 
 async def main_async(args) -> dict:

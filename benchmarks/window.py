@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.finals import corpus_wer, load_backend  # noqa: E402
+from benchmarks.report import markdown  # noqa: E402
 from cosyvoice.asr import whisper_engine as we  # noqa: E402
 
 SENTENCES = [
@@ -170,15 +171,15 @@ def main() -> None:
     base = next((r for r in rows if r["floor_s"] == 0), rows[0])
     print(f"\n{len(audios)} utterances, {min(durations):.1f}-{max(durations):.1f} s "
           "(padding included); CPU per final, ratio to the full window of this run\n")
-    print("| floor | windows | stock WER | stock degenerate | stock CPU | service WER "
-          "| re-decoded | service CPU |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['floor_s'] or 'full 30'} s | {', '.join(map(str, r['windows_s']))} "
-              f"| {r['stock_wer']:.1%} | {r['stock_degenerate']} "
-              f"| {r['stock_cpu_s']:.2f} s ({r['stock_cpu_s'] / base['stock_cpu_s']:.2f}×) "
-              f"| {r['service_wer']:.1%} | {r['service_redecoded']} "
-              f"| {r['service_cpu_s']:.2f} s ({r['service_cpu_s'] / base['stock_cpu_s']:.2f}×) |")
+    print(markdown(
+        ["floor", "windows", "stock WER", "stock degenerate", "stock CPU", "service WER",
+         "re-decoded", "service CPU"],
+        ([f"{r['floor_s'] or 'full 30'} s", ", ".join(map(str, r["windows_s"])),
+          f"{r['stock_wer']:.1%}", r["stock_degenerate"],
+          f"{r['stock_cpu_s']:.2f} s ({r['stock_cpu_s'] / base['stock_cpu_s']:.2f}×)",
+          f"{r['service_wer']:.1%}", r["service_redecoded"],
+          f"{r['service_cpu_s']:.2f} s ({r['service_cpu_s'] / base['stock_cpu_s']:.2f}×)"]
+         for r in rows)))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "durations_s": durations},
                                               indent=2))

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Callable
+
+from . import metrics
+
 # First pause after a failure, and the cap the doubling stops at.
 FIRST_S = 0.1
 MAX_S = 2.0
@@ -23,3 +28,12 @@ class Backoff:
 
     def succeeded(self) -> None:
         self._next = self.first_s
+
+    def wait(self, log: logging.Logger, what: str, exc: Exception,
+             sleep: Callable[[float], object]) -> None:
+        """After a failed attempt to reach Redis: say so, count it
+        (``cosyvoice_redis_errors_total``) and pause before the next one."""
+        pause = self.failed()
+        log.warning("%s, retrying in %.1fs: %s", what, pause, exc)
+        metrics.REDIS_ERRORS.inc()
+        sleep(pause)

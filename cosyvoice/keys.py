@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SESSIONS = "sessions"
+# The consumer group of SESSIONS that every worker process reads announcements in (a
+# group, not a key: it shares its name with the WORKERS key by history only)
 WORKER_GROUP = "workers"
 WORKERS = "workers"
 WORKER_CAPACITY = "worker_capacity"
 # A live worker's entry in WORKERS is dropped this long after its heartbeat lapsed.
 WORKER_FORGET_MS = 60_000
-# The keys the admission and placement scripts read, in their order.
-CONTROL_KEYS = [SESSIONS, WORKERS, WORKER_CAPACITY]
 # The announcement stream keeps this many entries (each is a few dozen bytes).
 SESSIONS_MAXLEN = 10000
 

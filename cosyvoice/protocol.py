@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from . import codecs
 from .chunk_pb import AudioChunkProto, Codec
-from .codecs import CHUNK_MS, SAMPLE_WIDTH, chunk_bytes
+from .codecs import CHUNK_MS as CHUNK_MS  # re-exported: the wire's chunk length
+from .codecs import SAMPLE_WIDTH, chunk_bytes
 from .errors import BadChunk, BadPacket, TooLarge, UnsupportedCodec, UnsupportedRate
 
 # The Socket.IO namespace of the streaming protocol.

@@ -233,10 +233,7 @@ class Channels:
                 backoff.succeeded()
             except redis.RedisError as exc:
                 lost = True
-                pause = backoff.failed()
-                log.warning("result subscriber lost redis, retrying in %.1fs: %s", pause, exc)
-                metrics.REDIS_ERRORS.inc()
-                gevent.sleep(pause)
+                backoff.wait(log, "result subscriber lost redis", exc, gevent.sleep)
                 continue
             if msg and msg["type"] == "message":
                 _deliver(self.relay, msg)
@@ -358,10 +355,7 @@ class ShardedChannels:
                             self._subscribe(channel)
                 break
             except redis.RedisError as exc:
-                pause = backoff.failed()
-                log.warning("cannot subscribe again, retrying in %.1fs: %s", pause, exc)
-                metrics.REDIS_ERRORS.inc()
-                gevent.sleep(pause)
+                backoff.wait(log, "cannot subscribe again", exc, gevent.sleep)
         self.relay.missed(channels)
 
 

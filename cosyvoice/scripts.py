@@ -10,7 +10,10 @@ the live workers and their loads.
 
 from __future__ import annotations
 
+import json
 from importlib.resources import files
+
+from .keys import WORKER_GROUP
 
 
 def source(name: str) -> str:
@@ -32,11 +35,13 @@ SLOT = source("slot")
 # leases
 RENEW = source("renew")
 RELEASE = source("release")
+# The consumer group's name, for the scripts that read it (one name, keys.WORKER_GROUP)
+_GROUP = f"local GROUP = {json.dumps(WORKER_GROUP)}\n"
 # the control plane
 RULES = source("rules")
-_PRELUDE = RULES + source("workers")
+_PRELUDE = RULES + _GROUP + source("workers")
 LIVE_WORKERS = _PRELUDE + source("live_workers")
 ADMIT = _PRELUDE + source("admit")
 PLACE = _PRELUDE + source("place")
 HEARTBEAT = source("heartbeat")
-FORGET_CONSUMERS = source("forget_consumers")
+FORGET_CONSUMERS = _GROUP + source("forget_consumers")

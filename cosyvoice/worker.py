@@ -142,10 +142,7 @@ class Worker:
             except redis.RedisError as exc:
                 # A restarted Redis has lost the consumer group: create it again.
                 group_ready = group_ready and "NOGROUP" not in str(exc)
-                pause = backoff.failed()
-                log.warning("redis error in worker loop, retrying in %.1fs: %s", pause, exc)
-                metrics.REDIS_ERRORS.inc()
-                time.sleep(pause)
+                backoff.wait(log, "redis error in worker loop", exc, time.sleep)
         self._hand_over()
 
     def _round(self) -> None:

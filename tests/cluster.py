@@ -22,6 +22,8 @@ from pathlib import Path
 
 import redis
 
+from .launcher import live_worker_ids, scaled
+
 REDIS_SERVER = os.environ.get("COSYVOICE_TEST_REDIS_SERVER", "/usr/bin/redis-server")
 REDIS_CLI = os.environ.get("COSYVOICE_TEST_REDIS_CLI", "/usr/bin/redis-cli")
 # A node that does not answer for this long is failed over to its replica.
@@ -66,15 +68,46 @@ class Cluster:
         return {n.port: int(n.client().dbsize()) for n in self.primaries()}
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
-        """Until every live node says the cluster is ok and agrees on the primaries."""
-        deadline = time.monotonic() + timeout_s
+        """Until every live node says the cluster is ok, no slot is being moved, and every
+        node has the same map of slots to primaries (``cluster_state:ok`` alone comes
+        before the last node has heard of the others' slots)."""
+        deadline = time.monotonic() + scaled(timeout_s)
         while True:
-            states = [_info(n).get("cluster_state") for n in self.nodes if n.alive()]
-            if all(s == "ok" for s in states):
+            live = [n for n in self.nodes if n.alive()]
+            states = [_info(n).get("cluster_state") for n in live]
+            maps = {_slot_map(n) for n in live}
+            if all(s == "ok" for s in states) and len(maps) == 1 and not self.moving():
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"cluster not ok after {timeout_s}s: {states}")
+                raise TimeoutError(f"cluster not settled after {scaled(timeout_s):.0f}s: "
+                                   f"{states}, {len(maps)} slot maps, moving {self.moving()}")
             time.sleep(0.1)
+
+    def moving(self) -> list[int]:
+        """Slots some primary is migrating or importing."""
+        out: list[int] = []
+        for node in self.primaries():
+            try:
+                out += _moving_slots(node)
+            except redis.RedisError:
+                continue
+        return out
+
+    def reset(self, timeout_s: float = 30.0) -> None:
+        """Ready for the next test's service, whatever the last test left: no live worker
+        of an earlier service (their heartbeats lapse within a lease), no slot half moved,
+        every node settled, every primary empty."""
+        deadline = time.monotonic() + scaled(timeout_s)
+        while live_worker_ids(self.url):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers still live: {sorted(live_worker_ids(self.url))}")
+            time.sleep(0.2)
+        for node in self.primaries():
+            for slot in _moving_slots(node):
+                node.client().execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+        self.wait_ok(timeout_s)
+        for node in self.primaries():
+            node.client().flushall()
 
 
 def _info(node: Node) -> dict[str, str]:
@@ -84,6 +117,28 @@ def _info(node: Node) -> dict[str, str]:
         return {}
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
     return dict(line.split(":", 1) for line in text.split() if ":" in line)
+
+
+def _slot_map(node: Node) -> tuple:
+    """The node's view of which primary (by port) serves which slot ranges."""
+    try:
+        slots = node.client().execute_command("CLUSTER", "SLOTS")
+    except redis.RedisError:
+        return ()
+    return tuple(sorted((int(r[0]), int(r[1]), int(r[2][1])) for r in slots))
+
+
+def _moving_slots(node: Node) -> list[int]:
+    """The slots this node is migrating or importing."""
+    me = node.client().execute_command("CLUSTER", "MYID")
+    me = me.decode() if isinstance(me, bytes) else str(me)
+    text = node.client().execute_command("CLUSTER", "NODES")
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    for row in text.splitlines():
+        fields = row.split()
+        if fields and fields[0] == me:
+            return [int(f[1:].split("-", 1)[0]) for f in fields[8:] if f.startswith("[")]
+    return []
 
 
 def _role(node: Node) -> str:
@@ -118,7 +173,7 @@ def _start_node(workdir: Path) -> Node:
          "--logfile", str(workdir / "redis.log")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     node = Node(port, proc, workdir)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while True:
         try:
             if node.client().ping():
@@ -165,7 +220,7 @@ def redis_cluster(masters: int = 3, replicas: int = 0) -> Iterator[Cluster]:
 
 
 def _wait_replicas(cluster: Cluster, expected: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while True:
         linked = sum(1 for n in cluster.nodes
                      if _role(n) == "slave"

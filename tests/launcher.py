@@ -24,6 +24,8 @@ needs nothing more than the test extra's PyYAML (for docker-compose.yml).
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
 import signal
 import subprocess
@@ -53,22 +55,55 @@ T = TypeVar("T")
 
 # ---- waiting -------------------------------------------------------------------------------
 
+# The reference machine's time for ``_probe`` (2 cores, quiet; the minimum of three runs):
+# every wait's deadline is written for that machine and scaled by how much slower this one is.
+PROBE_REFERENCE_S = 0.013
+
+
+def _probe() -> float:
+    """A fixed piece of interpreter and C work, timed (the best of three)."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        total = 0
+        for i in range(200_000):
+            total += i * i % 7
+        hashlib.sha256(b"x" * 4_000_000).digest()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def time_scale() -> float:
+    """How much longer than on the reference machine the waits here may take: at least 1,
+    this machine's probe time over the reference's, or ``COSYVOICE_TEST_TIME_SCALE``."""
+    given = os.environ.get("COSYVOICE_TEST_TIME_SCALE")
+    if given:
+        return max(1.0, float(given))
+    return max(1.0, _probe() / PROBE_REFERENCE_S)
+
+
+def scaled(seconds: float) -> float:
+    """A deadline written for the reference machine, on this one."""
+    return seconds * time_scale()
+
 
 def wait_for(predicate: Callable[[], T | None], timeout: float = 15.0,
              interval: float = 0.05) -> T:
-    """The first truthy value of ``predicate()``, polled until ``timeout``."""
-    deadline = time.monotonic() + timeout
+    """The first truthy value of ``predicate()``, polled until ``timeout`` (seconds on the
+    reference machine, ``scaled`` here)."""
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise TimeoutError("condition not met in time")
+    raise TimeoutError(f"condition not met within {scaled(timeout):.0f}s")
 
 
 def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
     """Until ``url`` answers 200; fails at once if ``proc`` exits first."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
@@ -78,21 +113,30 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 3
         except requests.RequestException:
             pass
         time.sleep(0.1)
-    raise TimeoutError(f"{url} did not answer within {timeout}s")
+    raise TimeoutError(f"{url} did not answer within {scaled(timeout):.0f}s")
 
 
-def live_workers(redis_url: str) -> int:
-    """Live ASR worker processes on this Redis (several comma-separated seeds: a cluster)."""
+def live_worker_ids(redis_url: str) -> set[str]:
+    """The live ASR worker processes on this Redis (several comma-separated seeds: a
+    cluster), by id."""
     client = busmod.connect(redis_url, blocking=False, cluster="," in redis_url)
     try:
-        return len(busmod.Bus(client).live_workers())
+        return {w["id"] for w in busmod.Bus(client).live_workers()}
     finally:
         client.close()
 
 
-def wait_workers(redis_url: str, count: int, timeout: float = 60.0) -> None:
-    """Until at least ``count`` ASR worker processes send heartbeats to this Redis."""
-    wait_for(lambda: live_workers(redis_url) >= count, timeout=timeout)
+def live_workers(redis_url: str) -> int:
+    """How many ASR worker processes are live on this Redis."""
+    return len(live_worker_ids(redis_url))
+
+
+def wait_workers(redis_url: str, count: int, timeout: float = 60.0,
+                 besides: frozenset[str] = frozenset()) -> None:
+    """Until at least ``count`` ASR worker processes other than ``besides`` send
+    heartbeats to this Redis (those of an earlier service on the same Redis may lapse
+    meanwhile: counted by id, they neither help nor hinder)."""
+    wait_for(lambda: len(live_worker_ids(redis_url) - besides) >= count, timeout=timeout)
 
 
 # ---- stopping ------------------------------------------------------------------------------
@@ -100,11 +144,11 @@ def wait_workers(redis_url: str, count: int, timeout: float = 60.0) -> None:
 
 def stop(*procs: subprocess.Popen, timeout: float = 15.0) -> None:
     """SIGTERM to each process, then SIGKILL to the process group of any that has not
-    exited within ``timeout`` (the same deadline for all of them)."""
+    exited within ``timeout`` (``scaled``; the same deadline for all of them)."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     for proc in procs:
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
@@ -230,8 +274,8 @@ def start_worker_pool(redis_url: str, *, processes: int = 1, capacity: int | Non
                       wait: bool = True, timeout: float = 60.0) -> WorkerPool:
     """docker-compose's ``cosyvoice worker``: ``processes`` ASR worker processes of
     ``capacity`` sessions each (the settings' default when None), serving ``/metrics`` on
-    a free port if ``metrics``. With ``wait``, returns once its processes are live (the
-    live workers are that many more than before it started)."""
+    a free port if ``metrics``. With ``wait``, returns once its processes are live (that
+    many live workers that were not live before it started)."""
     settings = {"COSYVOICE_REDIS_URL": redis_url, "COSYVOICE_HOST": LOOPBACK,
                 "COSYVOICE_WORKERS": str(processes)}
     if capacity is not None:
@@ -241,13 +285,13 @@ def start_worker_pool(redis_url: str, *, processes: int = 1, capacity: int | Non
         port = free_port()
         settings["COSYVOICE_WORKER_METRICS_PORT"] = str(port)
         metrics_url = f"http://{LOOPBACK}:{port}/metrics"
-    before = live_workers(redis_url) if wait else 0
+    before = frozenset(live_worker_ids(redis_url)) if wait else frozenset()
     proc = launch(compose_command("worker"), {**settings, **(env or {})},
                   _log_path(logs, name), root)
     pool = WorkerPool(proc, _log_path(logs, name), processes, metrics_url)
     if wait:
         try:
-            wait_workers(redis_url, before + processes, timeout)
+            wait_workers(redis_url, processes, timeout, besides=before)
         except TimeoutError:
             stop(proc)
             raise

@@ -31,7 +31,9 @@ def admission_service(request, tmp_path_factory, artifacts):
     workdir = tmp_path_factory.mktemp("admission")
     env = {**TEST_ENV, **GATEWAY_ENV}
     if request.param == "cluster":
-        redis_url = request.getfixturevalue("cluster").url
+        cluster = request.getfixturevalue("cluster")
+        cluster.reset()  # no worker, key or moving slot of an earlier test's service
+        redis_url = cluster.url
         env["COSYVOICE_REDIS_CLUSTER"] = "true"
     else:
         redis_url = request.getfixturevalue("module_redis").url

@@ -40,6 +40,7 @@ def churn_service(request, artifacts):
            "COSYVOICE_LEASE_RENEW_MS": "100", "COSYVOICE_OVERLOAD_RETRY_MS": "100"}
     if request.param == "cluster":
         cluster = request.getfixturevalue("cluster")
+        cluster.reset()  # no worker, key or moving slot of an earlier test's service
         svc = launcher.start_service(cluster.url, logs=artifacts, name="churn-cluster",
                                      env={**env, "COSYVOICE_REDIS_CLUSTER": "true"})
         svc.nodes = [n.client() for n in cluster.primaries()]  # type: ignore[attr-defined]

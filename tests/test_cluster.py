@@ -21,8 +21,7 @@ SESSIONS = 1000
 def bus(cluster):
     """A Bus on the tests' cluster, emptied before and after (other tests' services
     leave their control keys and the sweeper's lock there)."""
-    for node in cluster.primaries():
-        node.client().flushall()
+    cluster.reset()
     client = busmod.connect(cluster.url, cluster=True)
     yield busmod.Bus(client)
     for node in cluster.primaries():

@@ -47,6 +47,7 @@ def speech_service(request, service, module_redis, artifacts):
         return
     if request.param == "cluster":
         cluster = request.getfixturevalue("cluster")
+        cluster.reset()  # no worker, key or moving slot of an earlier test's service
         svc = launcher.start_service(cluster.url, logs=artifacts, name="pipeline-cluster",
                                      env={**TEST_ENV, "COSYVOICE_REDIS_CLUSTER": "true"})
         yield ENGINE, svc

@@ -104,6 +104,7 @@ def backend(request):
         yield server.url, request.getfixturevalue("fresh_redis_client"), PLACEMENT_ENV
         return
     cluster = request.getfixturevalue("cluster")
+    cluster.reset()  # no worker, key or moving slot of an earlier test's service
     client = busmod.connect(cluster.url, blocking=False, cluster=True)
     yield cluster.url, client, {**PLACEMENT_ENV, "COSYVOICE_REDIS_CLUSTER": "true"}
     client.close()

@@ -119,3 +119,15 @@ class Endpointer:
         self.in_speech = False
         self.speech_end = self._frames * self.frame_length + len(frame) / 2 / self.sample_rate
         return frame
+
+
+def next_frame(buf: bytearray, history: bytearray, frame_bytes: int, history_bytes: int) -> bytes:
+    """Cut the next frame off the audio waiting for an endpointer (``buf``, which holds at
+    least one), and keep it at the end of ``history``, the latest ``history_bytes`` the
+    endpointer saw (an utterance's pre-roll comes from there)."""
+    frame = bytes(buf[:frame_bytes])
+    del buf[:frame_bytes]
+    history += frame
+    if len(history) > history_bytes:
+        del history[:len(history) - history_bytes]
+    return frame

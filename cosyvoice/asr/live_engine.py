@@ -48,7 +48,7 @@ from typing import Any, Callable, cast
 
 from .. import messages
 from ..finals import next_prompt
-from .endpointer import Endpointer, SileroVad, silero_session
+from .endpointer import Endpointer, SileroVad, next_frame, silero_session
 from .resample import ModelRateInput
 from .scheduler import DecodeJob, DecodeScheduler, Inline, StreamState
 from .tiny_whisper import (
@@ -281,12 +281,8 @@ class LiveStream:
         ep = self._ep
         fb = ep.frame_bytes
         while len(self._buf) >= fb:
-            frame = bytes(self._buf[:fb])
-            del self._buf[:fb]
+            frame = next_frame(self._buf, self._history, fb, self._history_bytes)
             self._ep_pos += fb // 2
-            self._history += frame
-            if len(self._history) > self._history_bytes:
-                del self._history[:len(self._history) - self._history_bytes]
             was_in_speech = ep.in_speech
             out = ep.process(frame)
             self._quiet = 0 if ep.last_speech else self._quiet + 1

@@ -20,7 +20,7 @@ import re
 import pocketsphinx
 
 from ..messages import Result, Word
-from .endpointer import Endpointer
+from .endpointer import Endpointer, next_frame
 from .resample import ModelRateInput
 
 log = logging.getLogger(__name__)
@@ -160,12 +160,8 @@ class PocketSphinxStream:
         """Run whole frames through the endpointer; a list (maybe empty) at an endpoint."""
         fb = self._ep.frame_bytes
         while len(self._buf) >= fb:
-            frame = bytes(self._buf[:fb])
-            del self._buf[:fb]
+            frame = next_frame(self._buf, self._history, fb, self._history_bytes)
             self._ep_pos += fb // 2
-            self._history += frame
-            if len(self._history) > self._history_bytes:
-                del self._history[:len(self._history) - self._history_bytes]
             final = self._frame(frame, speech)
             if final is not None:
                 return final

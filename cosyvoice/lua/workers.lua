@@ -7,8 +7,8 @@
 --
 -- The decisions themselves are pure Lua functions of their arguments (rules.lua, no
 -- redis.call): tests/test_rules.py runs them in Lua 5.1, the version Redis embeds, without
--- Redis. The scripts gather the inputs, call a rule, and carry out its answer.
-local G = 'workers'
+-- Redis. The scripts gather the inputs, call a rule, and carry out its answer. GROUP, the
+-- consumer group's name, is set by the line cosyvoice/scripts.py puts before this file.
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -22,7 +22,7 @@ local function live_workers(now)
 end
 local function loads()
   local out = {}
-  local p = redis.pcall('XPENDING', KEYS[1], G)
+  local p = redis.pcall('XPENDING', KEYS[1], GROUP)
   if type(p) == 'table' and not p.err and type(p[4]) == 'table' then
     for _, c in ipairs(p[4]) do out[c[1]] = tonumber(c[2]) end
   end
