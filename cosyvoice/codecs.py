@@ -42,7 +42,7 @@ PACKETS_PER_CHUNK = 10  # 200 ms chunks of 20 ms packets
 # The encoder's look-ahead that a decoder drops from the start of a stream (RFC 7845's
 # pre-skip): libopus's 6.5 ms (2.5 ms of look-ahead, 4 ms of delay compensation) less the
 # 48 -> 16 kHz resampler's own delay, in samples at 16 kHz: the shift at which decoded
-# speech best matches the original (tests/test_codecs.py). Without it every word comes
+# speech best matches the original (tests/unit/test_codecs.py). Without it every word comes
 # 6.4 ms late, and PocketSphinx's endpointer, which places its windows by the sample,
 # can hear another word.
 PRE_SKIP = 102

@@ -16,7 +16,7 @@ audio produced them:
   so whoever takes the session over decodes them again).
 
 Pure: no Redis, no clock. The worker publishes each ``Ready`` it is given, in order
-(cosyvoice/worker.py); tests/test_rules.py drives it with hand-made jobs.
+(cosyvoice/worker.py); tests/unit/test_rules.py drives it with hand-made jobs.
 """
 
 from __future__ import annotations

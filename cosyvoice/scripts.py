@@ -4,7 +4,7 @@ Each file says what its script does, which KEYS and ARGV it takes and what it re
 They are read once, at import; ``Bus`` registers them with its client (redis-py sends
 each by its SHA and loads it again where a server lacks it). The control plane's scripts
 (live workers, admission, placement) run after two shared parts: ``rules.lua``, the pure
-decisions that tests/test_rules.py runs in Lua 5.1 without Redis, and ``workers.lua``,
+decisions that tests/unit/test_rules.py runs in Lua 5.1 without Redis, and ``workers.lua``,
 the live workers and their loads.
 """
 

@@ -68,7 +68,7 @@ ADMISSION_CEILING = 2
 # between reads.
 FINALS_BLOCK_MS = 10
 # Opus audio decoded again before a checkpoint when a session is taken over (libopus
-# converges within about a second: tests/test_codecs.py), and entries per read of it
+# converges within about a second: tests/unit/test_codecs.py), and entries per read of it
 OPUS_WARMUP_MS = 2000
 WARMUP_PAGE = 16
 
@@ -289,7 +289,7 @@ class Worker:
         would decode the next second a little differently, and its finals could differ.
         So the packets of the stretch before it (back to OPUS_WARMUP_MS, or to the PCM
         chunk that began the stretch) are decoded again and the output discarded; libopus
-        and the resampler are bit-exact again well within that time (tests/test_codecs.py).
+        and the resampler are bit-exact again well within that time (tests/unit/test_codecs.py).
         None when the checkpoint's entry is not Opus.
         """
         chunks: list[AudioChunkProto] = []

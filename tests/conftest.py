@@ -30,12 +30,15 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Every test is at exactly one level (tests/tiers.py), so ``-m unit`` and the rest
-    split the suite without gaps or overlaps."""
+    split the suite without gaps or overlaps, and its module lives in that level's folder
+    (``tests/unit/`` and so on)."""
     wrong = [f"{item.nodeid}: {levels or 'none'}" for item in items
-             if len(levels := sorted({m.name for m in item.iter_markers()} & tiers.LEVELS)) != 1]
+             if len(levels := sorted({m.name for m in item.iter_markers()} & tiers.LEVELS)) != 1
+             or Path(item.path).parent.name != levels[0]]
     if wrong:
         raise pytest.UsageError("tests need exactly one level marker "
-                                f"({', '.join(sorted(tiers.LEVELS))}):\n" + "\n".join(wrong))
+                                f"({', '.join(sorted(tiers.LEVELS))}), and to live in "
+                                "its folder:\n" + "\n".join(wrong))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """The example face of docs/architecture.md, "Adding a face": an HTTP route that answers
 with a session's results so far, read through the gateway's relay into a ``QueueOutput``.
-Installed by tests/test_outputs.py the way ``cosyvoice.webui.FACES`` installs a face."""
+Installed by tests/inprocess/test_outputs.py the way ``cosyvoice.webui.FACES`` installs a face."""
 
 from __future__ import annotations
 

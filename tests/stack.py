@@ -28,7 +28,7 @@ from . import launcher
 from .launcher import ROOT, terminate
 
 COMPOSE = yaml.safe_load(launcher.COMPOSE_FILE.read_text())
-# The commands docs/deployment.md documents; tests/test_deploy.py checks that
+# The commands docs/deployment.md documents; tests/e2e/test_deploy.py checks that
 # docker-compose.yml runs them.
 GATEWAY_COMMAND = ["gunicorn", "-c", "gunicorn.conf.py", "cosyvoice.webui:app"]
 WORKER_COMMAND = ["cosyvoice", "worker"]

@@ -12,7 +12,7 @@ the endpointer) and hands each decode to the scheduler, a thread of the worker p
   the batch), and the scheduler looks for a waiting final before each step. Finals of a
   session are decoded in order, each with the finals before it as its prompt, so they are
   the same whatever else the worker decodes (CTranslate2 on one thread is deterministic,
-  and a batch does not change a clip's result: tests/test_engines.py).
+  and a batch does not change a clip's result: tests/unit/test_engines.py).
 - **Partials coalesced.** A session has at most one partial waiting: a newer one replaces
   it, and its final drops it (the utterance is over). So a worker that falls behind
   decodes fewer partials, on the newest audio, instead of a queue of stale ones.

@@ -22,7 +22,7 @@ local function undelivered_age()
   for _, g in ipairs(groups) do
     local info = {}
     for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-    if info['name'] == G then
+    if info['name'] == GROUP then
       local e = redis.call('XRANGE', KEYS[1], '(' .. info['last-delivered-id'], '+', 'COUNT', 1)
       if #e == 0 then return -1 end
       return now - tonumber(string.match(e[1][1], '^(%d+)'))
@@ -44,15 +44,15 @@ while #out < free and mine < mycap do
   local got = {}
   if orphan_ms > 0 then
     local idle = orphan_idle_ms(orphan_ms, defer_ms, first)
-    for _, p in ipairs(redis.call('XPENDING', KEYS[1], G, 'IDLE', idle, '-', '+', 10)) do
+    for _, p in ipairs(redis.call('XPENDING', KEYS[1], GROUP, 'IDLE', idle, '-', '+', 10)) do
       if p[2] ~= me then
-        got = redis.call('XCLAIM', KEYS[1], G, me, idle, p[1])
+        got = redis.call('XCLAIM', KEYS[1], GROUP, me, idle, p[1])
         break
       end
     end
   end
   if #got == 0 and takes_new(first, undelivered_age, defer_ms) then
-    local r = redis.call('XREADGROUP', 'GROUP', G, me, 'COUNT', 1, 'STREAMS', KEYS[1], '>')
+    local r = redis.call('XREADGROUP', 'GROUP', GROUP, me, 'COUNT', 1, 'STREAMS', KEYS[1], '>')
     if r then got = r[1][2] end
   end
   if #got == 0 then break end
@@ -61,7 +61,7 @@ while #out < free and mine < mycap do
     out[#out + 1] = {e[1], e[2][2]}
     mine = mine + 1
   else
-    redis.call('XACK', KEYS[1], G, e[1])  -- trimmed from the stream: nothing to own
+    redis.call('XACK', KEYS[1], GROUP, e[1])  -- trimmed from the stream: nothing to own
   end
 end
 table.insert(out, 1, newest())

@@ -1,5 +1,5 @@
 -- The control plane's decisions: pure functions of their arguments (no Redis calls), which
--- tests/test_rules.py runs in Lua 5.1 (the version Redis embeds) without Redis.
+-- tests/unit/test_rules.py runs in Lua 5.1 (the version Redis embeds) without Redis.
 -- Admission: the session may open while the open sessions are fewer than the live
 -- workers' capacity. Returns admitted, capacity.
 local function admits(open, caps)

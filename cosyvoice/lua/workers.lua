@@ -6,7 +6,7 @@
 -- same step as the ownership (XREADGROUP, XCLAIM, XACK) and is never stale.
 --
 -- The decisions themselves are pure Lua functions of their arguments (rules.lua, no
--- redis.call): tests/test_rules.py runs them in Lua 5.1, the version Redis embeds, without
+-- redis.call): tests/unit/test_rules.py runs them in Lua 5.1, the version Redis embeds, without
 -- Redis. The scripts gather the inputs, call a rule, and carry out its answer. GROUP, the
 -- consumer group's name, is set by the line cosyvoice/scripts.py puts before this file.
 local function now_ms()

@@ -1,6 +1,6 @@
 // A recording's finals as files: plain text, SRT and WebVTT. The same rules as
 // cosyvoice/subtitles.py (`cosyvoice transcribe --output-format`), so the page and the
-// command line cut the same cues (tests/test_page_js.py compares them):
+// command line cut the same cues (tests/unit/test_page_js.py compares them):
 // each final's text a line; cues of at most two lines of 42 characters and 7 s, a
 // two-line cue cut where its lines are most even, timed by word times where the engine
 // gives them (the final's times shared out over its characters otherwise), in order and
