@@ -24,6 +24,7 @@ import wave
 from dataclasses import dataclass
 
 from ..messages import Decoded
+from ..settings import Settings
 from . import ENGINES, load_model
 
 CHUNK_S = 0.2
@@ -80,14 +81,14 @@ def session_cost(model, pcm: bytes, passes: int = PASSES) -> float:
     return cpu / (passes * len(pcm) / 32000)
 
 
-def load_here(settings):
+def load_here(settings: Settings):
     """The engine's model, ready to decode in this process (as a worker process's is)."""
     model = load_model(settings.engine, settings)
     model.after_fork()
     return model
 
 
-def calibrate(settings) -> Calibration:
+def calibrate(settings: Settings) -> Calibration:
     spec = ENGINES[settings.engine]
     model = load_here(settings)
     pcm = calibration_audio()

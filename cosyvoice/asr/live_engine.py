@@ -48,6 +48,7 @@ from typing import Any, Callable, cast
 
 from .. import messages
 from ..finals import next_prompt
+from ..settings import Settings
 from .endpointer import Endpointer, SileroVad, next_frame, silero_session
 from .resample import ModelRateInput
 from .scheduler import DecodeJob, DecodeScheduler, Inline, StreamState
@@ -94,7 +95,7 @@ class LiveModel:
 
     name = ENGINE
 
-    def __init__(self, settings, decoder: TinyWhisper | None = None):
+    def __init__(self, settings: Settings, decoder: TinyWhisper | None = None):
         self.settings = settings
         self.decoder = decoder or TinyWhisper(model_dir(), threads=settings.whisper_threads,
                                               device=settings.device,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..messages import Result
 from ..protocol import SAMPLE_WIDTH
+from ..settings import Settings
 
 
 class NullStream:
@@ -35,7 +36,7 @@ class NullStream:
 class NullModel:
     name = "null"
 
-    def __init__(self, settings=None):
+    def __init__(self, settings: Settings | None = None):
         self.settings = settings
 
     def preload(self, n: int) -> None:

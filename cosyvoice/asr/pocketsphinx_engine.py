@@ -20,6 +20,7 @@ import re
 import pocketsphinx
 
 from ..messages import Result, Word
+from ..settings import Settings
 from .endpointer import Endpointer, next_frame
 from .resample import ModelRateInput
 
@@ -50,7 +51,7 @@ class PocketSphinxModel:
 
     name = "pocketsphinx"
 
-    def __init__(self, settings):
+    def __init__(self, settings: Settings):
         self.settings = settings
         self._free: list[pocketsphinx.Decoder] = []
         first = self._new_decoder()

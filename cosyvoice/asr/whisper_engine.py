@@ -258,7 +258,7 @@ class CT2Whisper:
         return out
 
 
-def load_backend(settings):
+def load_backend(settings: Settings):
     """The configured final decoder; converts the model data on first use."""
     from . import model_data
 
