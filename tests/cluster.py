@@ -26,8 +26,14 @@ from .launcher import live_worker_ids, scaled
 
 REDIS_SERVER = os.environ.get("COSYVOICE_TEST_REDIS_SERVER", "/usr/bin/redis-server")
 REDIS_CLI = os.environ.get("COSYVOICE_TEST_REDIS_CLI", "/usr/bin/redis-cli")
-# A node that does not answer for this long is failed over to its replica.
+# A node that does not answer for this long is failed over to its replica (the fault
+# tests' cluster kills primaries and waits for that).
 NODE_TIMEOUT_MS = 2000
+# A cluster without replicas has nothing to fail over to, and a node its peers call
+# failed takes the whole cluster down (cluster_state:fail) until they hear it again: on a
+# loaded machine a node can miss 2 s of the bus's pings (a long suite on a slower
+# machine), so such a cluster waits longer before it calls a node failed.
+NODE_TIMEOUT_NO_REPLICAS_MS = 15000
 
 
 @dataclass
@@ -163,12 +169,12 @@ def _free_cluster_port() -> int:
     raise RuntimeError("no free pair of ports for a cluster node")
 
 
-def _start_node(workdir: Path) -> Node:
+def _start_node(workdir: Path, node_timeout_ms: int) -> Node:
     port = _free_cluster_port()
     workdir.mkdir(parents=True)
     proc = subprocess.Popen(
         [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-         "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+         "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
          "--save", "", "--appendonly", "no", "--dir", str(workdir), "--daemonize", "no",
          "--logfile", str(workdir / "redis.log")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -197,7 +203,8 @@ def redis_cluster(masters: int = 3, replicas: int = 0) -> Iterator[Cluster]:
     cluster = Cluster()
     try:
         for i in range(masters * (1 + replicas)):
-            cluster.nodes.append(_start_node(root / f"node{i}"))
+            cluster.nodes.append(_start_node(
+                root / f"node{i}", NODE_TIMEOUT_MS if replicas else NODE_TIMEOUT_NO_REPLICAS_MS))
         subprocess.run([REDIS_CLI, "--cluster", "create",
                         *[n.address for n in cluster.nodes],
                         "--cluster-replicas", str(replicas), "--cluster-yes"],
