@@ -1,4 +1,6 @@
-"""The Redis layer's API: every Redis command cosyvoice sends goes through ``Bus``.
+"""The Redis layer's API: every Redis command cosyvoice sends goes through ``Bus``, but for
+the gateway's result subscriptions, which its relay reads on pub/sub connections of its
+own (``cosyvoice/relay.py``: one per process, or one per primary of a cluster).
 
 The key names are ``keys.py``'s; updates that must be atomic are Lua scripts, one round
 trip each, in ``cosyvoice/lua/`` (``scripts.py`` reads them).
