@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Iterable
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+from .chunk_pb import AudioChunkProto, Codec
 
 if TYPE_CHECKING:
     import av
@@ -47,6 +50,9 @@ PACKETS_PER_CHUNK = 10  # 200 ms chunks of 20 ms packets
 # can hear another word.
 PRE_SKIP = 102
 DEFAULT_BITRATE = 24000  # a client's when neither it nor the server names one
+# Opus audio decoded again before a checkpoint when a session is taken over (libopus
+# converges within about a second: tests/unit/test_codecs.py)
+WARMUP_MS = 2000
 _DECODER_RATE = 48000  # libopus through PyAV always decodes at 48 kHz
 _MAX_FRAME_BYTES = 1275  # RFC 6716 section 3.4, requirement R2
 _MAX_PACKET_SAMPLES = 120 * 48  # at most 120 ms of audio per packet (R5), at 48 kHz
@@ -195,7 +201,7 @@ class OpusDecoder:
     """Opus packets in, 16 kHz mono 16-bit PCM out, for one stretch of a session's
     stream. Decoder state runs from packet to packet, so one instance decodes one
     stretch in order; a worker taking a session over warms a fresh one up on the audio
-    before its checkpoint (see ``cosyvoice/worker.py``).
+    before its checkpoint (``SessionAudio.resumed``).
 
     A packet libopus refuses becomes silence of its length (logged and counted by the
     caller through ``errors``): a client's bad packet costs 20 ms, never the session.
@@ -275,6 +281,73 @@ class Encodings:
             self._encoders[bitrate] = (encoder, seq + 1)
             self._opus[bitrate, seq] = packets
         return self._opus[bitrate, seq]
+
+
+class SessionAudio:
+    """A session's chunks as PCM for its engine, in order: a PCM chunk as it is, at its
+    rate (0: the session's current one); an Opus chunk through the decoder of its stretch
+    of Opus chunks (one decoder per stretch, kept across bitrate changes, flushed when PCM
+    follows or the stream ends), at 16 kHz. ``on_undecodable(n)`` hears of packets libopus
+    refused (each became silence of its length)."""
+
+    def __init__(self, rate: int, on_undecodable: Callable[[int], object] = lambda n: None,
+                 opus: OpusDecoder | None = None):
+        self.rate = rate
+        self.opus = opus
+        self._on_undecodable = on_undecodable
+
+    def pieces(self, chunk: AudioChunkProto) -> list[tuple[bytes, int]]:
+        """The chunk's audio as (PCM, rate) pieces to feed in this order: the end of an
+        Opus stretch that a PCM chunk closes comes first."""
+        out: list[tuple[bytes, int]] = []
+        if chunk.codec == Codec.OPUS:
+            if self.opus is None:
+                self.opus = OpusDecoder()
+            errors = self.opus.errors
+            pcm = self.opus.decode(chunk.opus)
+            if chunk.last:
+                pcm += self.opus.flush()
+            if self.opus.errors > errors:
+                self._on_undecodable(self.opus.errors - errors)
+            self.rate = RATE
+        else:
+            if self.opus is not None:  # the Opus stretch ends: its last samples come first
+                out.append((self.opus.flush(), RATE))
+                self.opus = None
+            pcm, self.rate = chunk.pcm, chunk.sample_rate or self.rate
+        return out + [(pcm, self.rate)]
+
+    @classmethod
+    def resumed(cls, rate: int, back: Iterable[AudioChunkProto], seq: int,
+                on_undecodable: Callable[[int], object] = lambda n: None) -> SessionAudio:
+        """A session's audio as the lost worker had it after chunk ``seq``, the
+        checkpoint's, from the stored chunks up to it, newest first (``back``).
+
+        Decoder state runs from packet to packet: a decoder started at the checkpoint
+        would decode the next second a little differently, and its finals could differ.
+        So the packets of the stretch before it (back to ``WARMUP_MS``, or to the PCM
+        chunk that began the stretch) are decoded again and the output discarded; libopus
+        and the resampler are bit-exact again well within that time
+        (tests/unit/test_codecs.py). No decoder when the checkpoint's chunk is not Opus.
+        """
+        chunks: list[AudioChunkProto] = []
+        ms = 0.0
+        for chunk in back:
+            if chunk.seq != seq:
+                continue  # a stale duplicate, which the lost worker skipped too
+            if chunk.codec != Codec.OPUS:
+                break  # the stretch began after this chunk, with a fresh decoder
+            chunks.append(chunk)
+            ms += packets_ms(chunk.opus)
+            seq -= 1
+            if ms >= WARMUP_MS:
+                break
+        decoder = None
+        if chunks:
+            decoder = OpusDecoder()
+            for chunk in reversed(chunks):
+                decoder.decode(chunk.opus)
+        return cls(rate, on_undecodable, decoder)
 
 
 def chunk_bytes(sample_rate: int, ms: int = CHUNK_MS) -> int:

@@ -31,9 +31,8 @@ from .asr import Model, Stream, capacity_of
 from .asr.admission import Admission, Targets
 from .asr.scheduler import Load
 from .backoff import Backoff
-from .chunk_pb import AudioChunkProto, Codec
-from .codecs import RATE as OPUS_RATE
-from .codecs import OpusDecoder, packets_ms
+from .chunk_pb import AudioChunkProto
+from .codecs import SessionAudio
 from .messages import Checkpoint, Decoded, End, ErrorResult, TextRule
 from .outbox import Outbox, Ready, entry_results
 from .protocol import parse_stored
@@ -67,9 +66,8 @@ ADMISSION_CEILING = 2
 # How long one XREAD waits while finals are being decoded: their results are published
 # between reads.
 FINALS_BLOCK_MS = 10
-# Opus audio decoded again before a checkpoint when a session is taken over (libopus
-# converges within about a second: tests/unit/test_codecs.py), and entries per read of it
-OPUS_WARMUP_MS = 2000
+# Stored chunks per read when a session taken over reads back before its checkpoint
+# (codecs.SessionAudio.resumed)
 WARMUP_PAGE = 16
 
 
@@ -80,15 +78,13 @@ class OwnedSession:
     stream: Stream
     position: str  # id of the last audio entry consumed
     next_seq: int
-    rate: int
+    # its chunks as PCM: Opus decoded, the current rate (cosyvoice/codecs.py)
+    audio: SessionAudio
     # the session's text stages, chosen from its settings (cosyvoice/stages.py)
     rules: tuple[TextRule, ...] = ()
     # its results on their way out, in order (cosyvoice/outbox.py)
     outbox: Outbox = field(default_factory=Outbox)
     ended: bool = False  # ``last`` consumed: nothing more to read, the end is pending
-    # The decoder of the stretch of Opus chunks being read (None on PCM): one per stretch,
-    # kept across bitrate changes, flushed when PCM follows or the stream ends
-    opus: OpusDecoder | None = None
 
 
 class Worker:
@@ -274,42 +270,14 @@ class Worker:
             rate = int(info["start_rate"])
             stream = self.model.stream(rate, mode=info.get("mode") or None)
             position, next_seq = "0-0", 0
-        owned = OwnedSession(ann.sid, ann.msg_id, stream, position, next_seq, rate,
-                             stages.text_rules(info))
-        if checkpoint:
-            owned.opus = self._warm_opus(ann.sid, checkpoint.id, checkpoint.seq)
-        self.sessions[ann.sid] = owned
+        undecodable = metrics.OPUS_UNDECODABLE.inc
+        audio = (SessionAudio.resumed(rate, self._audio_back(ann.sid, checkpoint.id),
+                                      checkpoint.seq, undecodable)
+                 if checkpoint else SessionAudio(rate, undecodable))
+        self.sessions[ann.sid] = OwnedSession(ann.sid, ann.msg_id, stream, position, next_seq,
+                                              audio, stages.text_rules(info))
         log.info("took session %s at seq %d", ann.sid, next_seq,
                  extra={"session": ann.sid, "event": "claim"})
-
-    def _warm_opus(self, sid: str, entry_id: str, seq: int) -> OpusDecoder | None:
-        """The Opus decoder the lost worker had after the checkpoint's entry, rebuilt.
-
-        Decoder state runs from packet to packet: a decoder started at the checkpoint
-        would decode the next second a little differently, and its finals could differ.
-        So the packets of the stretch before it (back to OPUS_WARMUP_MS, or to the PCM
-        chunk that began the stretch) are decoded again and the output discarded; libopus
-        and the resampler are bit-exact again well within that time (tests/unit/test_codecs.py).
-        None when the checkpoint's entry is not Opus.
-        """
-        chunks: list[AudioChunkProto] = []
-        ms = 0.0
-        for msg in self._audio_back(sid, entry_id):
-            if msg.seq != seq:
-                continue  # a stale duplicate, which the lost worker skipped too
-            if msg.codec != Codec.OPUS:
-                break  # the stretch began after this chunk, with a fresh decoder
-            chunks.append(msg)
-            ms += packets_ms(msg.opus)
-            seq -= 1
-            if ms >= OPUS_WARMUP_MS:
-                break
-        if not chunks:
-            return None
-        decoder = OpusDecoder()
-        for msg in reversed(chunks):
-            decoder.decode(msg.opus)
-        return decoder
 
     def _audio_back(self, sid: str, entry_id: str) -> Iterator[AudioChunkProto]:
         """The session's stored chunks from ``entry_id`` back, newest first."""
@@ -371,22 +339,9 @@ class Worker:
     def _feed(self, s: OwnedSession, msg: AudioChunkProto) -> list[Decoded]:
         """Feed one chunk's audio (PCM, or Opus decoded to 16 kHz) to the stream."""
         decoded: list[Decoded] = []
-        if msg.codec == Codec.OPUS:
-            if s.opus is None:
-                s.opus = OpusDecoder()
-            errors = s.opus.errors
-            pcm, rate = s.opus.decode(msg.opus), OPUS_RATE
-            if msg.last:
-                pcm += s.opus.flush()
-            if s.opus.errors > errors:
-                metrics.OPUS_UNDECODABLE.inc(s.opus.errors - errors)
-        else:
-            if s.opus is not None:  # the Opus stretch ends: its last samples come first
-                decoded += s.stream.feed(s.opus.flush(), OPUS_RATE)
-                s.opus = None
-            pcm, rate = msg.pcm, msg.sample_rate or s.rate
-        s.rate = rate
-        return decoded + [*s.stream.feed(pcm, s.rate)]
+        for pcm, rate in s.audio.pieces(msg):
+            decoded += s.stream.feed(pcm, rate)
+        return decoded
 
     def _publish_entry(self, s: OwnedSession, entry_id: str, results: list[Decoded | End],
                        checkpoint: Checkpoint | None, last: bool) -> bool:

@@ -58,7 +58,7 @@ def test_decoding_gives_back_the_speech_in_time(speech):
 
 
 def test_a_decoder_warmed_up_on_two_seconds_matches_one_that_ran_from_the_start(speech):
-    """What a worker taking a session over relies on (``Worker._warm_opus``)."""
+    """What a worker taking a session over relies on (``codecs.SessionAudio.resumed``)."""
     packets = [p for chunk in codecs.opus_chunks(speech, 24000) for p in chunk]
     whole = codecs.OpusDecoder()
     before = whole.decode(packets[:500])
@@ -70,6 +70,35 @@ def test_a_decoder_warmed_up_on_two_seconds_matches_one_that_ran_from_the_start(
     cold.decode(packets[495:500])  # a tenth of a second is not enough
     assert cold.decode(packets[500:]) != after
     assert before
+
+
+def test_a_session_taken_over_decodes_on_as_the_lost_worker_would(speech):
+    """A session's chunks: PCM, then Opus at two bitrates, then PCM again. A worker that
+    took it over at any chunk, from the chunks stored up to its checkpoint, feeds the
+    engine the same audio from there on as the worker that read it all; a PCM chunk
+    after Opus first gets the stretch's last samples."""
+    from cosyvoice.chunk_pb import AudioChunkProto, Codec
+
+    pcm = codecs.split_chunks(speech, 16000)[:40]
+    opus = codecs.Encodings(pcm)
+    chunks = []
+    for seq, piece in enumerate(pcm):
+        if 5 <= seq < 35:
+            chunks.append(AudioChunkProto(seq=seq, codec=Codec.OPUS,
+                                          opus=opus.opus(seq, 24000 if seq < 20 else 16000)))
+        else:
+            chunks.append(AudioChunkProto(seq=seq, pcm=piece, sample_rate=16000))
+    chunks[-1].last = True
+    errors: list[int] = []
+    whole = codecs.SessionAudio(16000, errors.append)
+    fed = [whole.pieces(c) for c in chunks]
+    # the chunk after the Opus stretch: the stretch's tail, then its own PCM
+    assert [rate for _, rate in fed[35]] == [16000, 16000] and fed[35][0][0]
+    for at in (3, 10, 14, 25, 34, 36):
+        back = list(reversed(chunks[:at + 1]))
+        resumed = codecs.SessionAudio.resumed(16000, back, at, errors.append)
+        assert [resumed.pieces(c) for c in chunks[at + 1:]] == fed[at + 1:], at
+    assert errors == []
 
 
 @pytest.mark.parametrize("packet,why", [
