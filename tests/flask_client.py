@@ -9,6 +9,8 @@ from socketio import packet
 
 from cosyvoice.protocol import NAMESPACE
 
+from .launcher import scaled
+
 
 def open_test_client(app, auth=None, until_session: bool = False):
     """Connect to ``/ws``; ``client.refusal`` is the wire error of a refused connection
@@ -38,7 +40,7 @@ def open_test_client(app, auth=None, until_session: bool = False):
     if not until_session:
         gevent.sleep(0.01)
     elif client.refusal is None:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + scaled(5)
         while time.monotonic() < deadline and not any(
                 p["name"] == "session" and p["namespace"] == NAMESPACE for p in client.queue):
             gevent.sleep(0.001)

@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .launcher import scaled
+
 
 @dataclass(frozen=True)
 class Link:
@@ -49,7 +51,7 @@ def _no_ipv6(command: list[str]) -> None:
 def _wait_up(show: list[str], timeout: float = 10.0) -> None:
     """Until the link ``show`` lists has its carrier (``state UP``): a client started
     before would see the network change under it."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while "state UP" not in subprocess.run(show, capture_output=True, text=True,
                                            timeout=10).stdout:
         if time.monotonic() > deadline:

@@ -25,7 +25,7 @@ from cosyvoice.embedded_redis import free_port
 from cosyvoice.protocol import encode_chunk
 
 from . import launcher
-from .launcher import ROOT, terminate
+from .launcher import ROOT, scaled, terminate
 
 COMPOSE = yaml.safe_load(launcher.COMPOSE_FILE.read_text())
 # The commands docs/deployment.md documents; tests/e2e/test_deploy.py checks that
@@ -115,7 +115,7 @@ def start_nginx(workdir: Path, upstreams: list[str]) -> Nginx:
                                 stderr=subprocess.STDOUT, start_new_session=True)
     server = Nginx(proc, conf, workdir, http_port, https_port, cert)
     session = trusting(cert)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"nginx exited: {(workdir / 'error.log').read_text()}")
@@ -177,7 +177,7 @@ class Stream:
         return self.ws
 
     def _pump_until(self, done, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while not done():
             left = deadline - time.monotonic()
             if left <= 0:
