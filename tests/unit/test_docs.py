@@ -4,6 +4,7 @@ the README's links into docs/ (mkdocs checks the links between the pages)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tomllib
@@ -81,6 +82,16 @@ def _same(documented: str, value: str) -> bool:
         return documented == value
 
 
+def make_dry_run(*targets: str) -> list[str]:
+    """The commands ``make`` would run for ``targets``. The suite itself runs under
+    ``make test`` in CI (.ci/run), so the make it starts is a sub-make: without the parent's
+    flags and with no directory lines, it prints only the commands."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    return subprocess.run(["make", "--no-print-directory", "-n", *targets], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=30,
+                          check=True).stdout.splitlines()
+
+
 def test_the_task_runner_runs_the_readme_test_command():
     """`make install test` is the README's command to install and run every test,
     docs/development.md gives the same command, and .ci/run runs it as `make install
@@ -88,8 +99,7 @@ def test_the_task_runner_runs_the_readme_test_command():
     pattern = r"^(?:python -m )?pip install -e '\.\[test\]' && .*python -m pytest$"
     command = re.search(pattern, (ROOT / "README.md").read_text(), re.M)
     assert command is not None
-    dry = subprocess.run(["make", "-n", "install", "test"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=30, check=True).stdout.splitlines()
+    dry = make_dry_run("install", "test")
     steps = [s.replace("python -m pip ", "pip ") for s in dry]
     assert steps == command.group(0).split(" && ")
     found = re.search(pattern, (DOCS / "development.md").read_text(), re.M)
@@ -110,8 +120,7 @@ def test_the_changelog_names_the_version_being_released():
 def test_the_commit_hooks_run_the_gates_of_the_task_runner():
     hooks = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
     entries = {hook["entry"] for repo in hooks["repos"] for hook in repo["hooks"]}
-    dry = subprocess.run(["make", "-n", "lint", "types"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=30, check=True).stdout.splitlines()
+    dry = make_dry_run("lint", "types")
     assert entries == set(dry)
 
 
