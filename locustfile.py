@@ -117,6 +117,16 @@ class LatencyProbe:
             code = data.get("code", "?")
             self.fire(f"error {code}", 0, 0, RuntimeError(f"{code}: {data.get('msg', '')}"))
 
+    def settle(self) -> None:
+        """Wait for the acks still on their way, up to the ack timeout of the last chunk
+        sent. An ack and the ``end`` event travel apart (the ack from the chunk's handler,
+        ``end`` from the worker through the result relay), so the last chunk's ack may
+        arrive after ``end``: late, not lost."""
+        sent = [self.client.sent_at[seq] for seq in self.unacked if seq in self.client.sent_at]
+        deadline = max(sent, default=time.monotonic()) + ACK_TIMEOUT_S
+        while self.unacked and time.monotonic() < deadline:
+            gevent.sleep(0.05)
+
     def finish(self) -> None:
         """Count what never came: unacknowledged chunks and a missing final."""
         for seq in sorted(self.unacked):
@@ -212,6 +222,7 @@ class SpeechUser(User):
             # A user that Locust stops mid-session loses nothing: only a session that
             # ran its course counts what never arrived.
             if finished:
+                probe.settle()
                 probe.finish()
                 client.stop()
             client.close()
