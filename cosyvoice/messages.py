@@ -166,6 +166,19 @@ class Scheduled:
 
 
 Decoded = Result | Scheduled
+# What an audio entry hands its session's stages and outbox: results and the ``end``
+Outgoing = Result | Scheduled | End
+
+
+def handed(result: Result, job: Deferred, deferred: bool) -> list[Decoded]:
+    """A decode an engine handed over, as its stream returns it: the result to be, with
+    its job, when a deferred stage decodes it (even one already done: the outbox keeps them
+    all in order); the result as decoded when it was decoded inline (nothing if dropped)."""
+    item = Scheduled(result, job)
+    if deferred:
+        return [item]
+    decoded = item.decoded()
+    return [] if decoded is None else [decoded]
 
 
 def kind(item: Decoded | End) -> str:

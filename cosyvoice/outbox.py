@@ -16,7 +16,7 @@ audio produced them:
   so whoever takes the session over decodes them again).
 
 Pure: no Redis, no clock. The worker publishes each ``Ready`` it is given, in order
-(cosyvoice/worker.py); tests/unit/test_rules.py drives it with hand-made jobs.
+(cosyvoice/worker.py); tests/unit/test_outbox.py drives it with hand-made jobs.
 """
 
 from __future__ import annotations
@@ -31,14 +31,13 @@ from .messages import (
     Decoded,
     Deferred,
     End,
+    Outgoing,
     Published,
     Result,
     Scheduled,
     kind,
     with_seq,
 )
-
-Item = Result | Scheduled | End
 
 
 def entry_results(session: str, entry_id: str, seq: int, last: bool,
@@ -61,7 +60,7 @@ def entry_results(session: str, entry_id: str, seq: int, last: bool,
     return out, None
 
 
-def split_ordered(results: Sequence[Item]) -> tuple[list[Result], list[Item]]:
+def split_ordered(results: Sequence[Outgoing]) -> tuple[list[Result], list[Outgoing]]:
     """An entry's results as (published at once, published in order): partials decoded
     now go out as soon as they are; deferred results, finals and ``end`` keep their order
     and carry the checkpoint."""
@@ -76,7 +75,7 @@ class Pending:
     (``Scheduled``), and what follows them (``end``), with the checkpoint of that entry.
     Ready when every job it holds is done."""
     entry_id: str
-    results: list[Item]
+    results: list[Outgoing]
     checkpoint: Checkpoint | None
     done: bool
 
@@ -131,7 +130,7 @@ class Outbox:
         """Some results wait for a deferred decode."""
         return bool(self._queue)
 
-    def push(self, entry_id: str, results: Sequence[Item], checkpoint: Checkpoint | None,
+    def push(self, entry_id: str, results: Sequence[Outgoing], checkpoint: Checkpoint | None,
              last: bool) -> Ready:
         """One entry's results: what goes out now (perhaps nothing; the worker publishes
         it anyway, which also tells it whether the session still exists). The rest waits

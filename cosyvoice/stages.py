@@ -16,8 +16,10 @@ A session's results pass, in this order, through
 3. its **outbox** (cosyvoice/outbox.py), which publishes them in order.
 
 Adding a text stage is one module with a ``TextStage`` and one line in ``TEXT_STAGES``
-(docs/architecture.md, "Adding a stage"). Each stage declares its ``cost`` (CPU seconds per
-audio second of a real-time session), which admission adds to the engine's.
+(docs/architecture.md, "Adding an engine, a stage or a face"). Each stage declares its
+``cost`` (CPU seconds per audio second of a real-time session, ``text_cost``); admission
+does not read it yet: it counts sessions at the engine's measured cost, and the first
+stage that costs enough to matter decides how it should.
 """
 
 from __future__ import annotations
@@ -26,9 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
-from .messages import End, Result, Scheduled, TextRule
-
-Item = Result | Scheduled | End
+from .messages import Outgoing, Result, Scheduled, TextRule
 
 
 class DeferredStage(Protocol):
@@ -74,12 +74,12 @@ def text_cost(session: Mapping[str, str], stages: Sequence[TextStage] = TEXT_STA
     return sum(stage.cost for stage in stages if stage.wanted(session))
 
 
-def apply(rules: Sequence[TextRule], items: Sequence[Item]) -> list[Item]:
+def apply(rules: Sequence[TextRule], items: Sequence[Outgoing]) -> list[Outgoing]:
     """The items with the rules run on every partial and final: now on a result decoded
     now, once decoded on a ``Scheduled`` one. ``end`` passes as it is."""
     if not rules:
         return list(items)
-    out: list[Item] = []
+    out: list[Outgoing] = []
     for item in items:
         if isinstance(item, Scheduled):
             out.append(replace(item, rules=item.rules + tuple(rules)))

@@ -126,11 +126,6 @@ def live_worker_ids(redis_url: str) -> set[str]:
         client.close()
 
 
-def live_workers(redis_url: str) -> int:
-    """How many ASR worker processes are live on this Redis."""
-    return len(live_worker_ids(redis_url))
-
-
 def wait_workers(redis_url: str, count: int, timeout: float = 60.0,
                  besides: frozenset[str] = frozenset()) -> None:
     """Until at least ``count`` ASR worker processes other than ``besides`` send

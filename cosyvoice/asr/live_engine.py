@@ -327,12 +327,8 @@ class LiveStream:
         the result to be, with its ``job`` (the worker publishes it once done)."""
         runner = self._model.runner
         runner.submit(job)
-        result = cast(messages.Result, dict(job.result))
-        # With a scheduler every decode comes back as Scheduled, even one its thread has
-        # already finished: the outbox keeps all of them in order
-        if isinstance(runner, DecodeScheduler):
-            return [messages.Scheduled(result, job)]
-        return [] if job.dropped else [result]
+        return messages.handed(cast(messages.Result, dict(job.result)), job,
+                               deferred=isinstance(runner, DecodeScheduler))
 
     def _finish_and_reset(self, end_sample: int) -> list[messages.Decoded]:
         out = self._finish(end_sample)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import finals
-from ..messages import Decoded, Result, Scheduled
+from ..messages import Decoded, Result, handed
 from ..registry import ENGINES, WHISPER_BACKENDS
 from ..settings import Settings
 from .pocketsphinx_engine import MODEL_RATE, PocketSphinxModel
@@ -295,7 +295,7 @@ class TwoPassModel:
         self.ps = PocketSphinxModel(settings)
         self.backend = backend or load_backend(settings)
         self.finals: finals.InlineFinals | finals.FinalsStage = finals.InlineFinals(
-            self._transcribe)
+            self.transcribe)
         # COSYVOICE_TWOPASS_PARTIALS=whisper-live: partials and endpoints of the "2pass"
         # and "whisper" modes from whisper-live (docs/engines.md, "2-pass partials"); it
         # loads on its first decode, after the finals process has forked from the worker
@@ -320,12 +320,9 @@ class TwoPassModel:
     def start_stage(self, process: bool = True) -> finals.FinalsStage:
         """This worker process's finals stage: a finals process forked from it now (or,
         ``process=False``, a thread of it), at ``finals_nice``."""
-        self.finals = finals.FinalsStage(self._transcribe, self.settings.finals_nice, process,
+        self.finals = finals.FinalsStage(self.transcribe, self.settings.finals_nice, process,
                                          self.load_finals_decoder)
         return self.finals
-
-    def _transcribe(self, pcm: bytes, prompt: str) -> str:
-        return self.transcribe(pcm, prompt)
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
                mode: str | None = None) -> TwoPassStream:
@@ -401,7 +398,4 @@ class TwoPassStream:
         job = finals.Job(self.context, audio)
         runner = self._model.finals
         runner.submit(job)
-        if isinstance(runner, finals.FinalsStage):
-            return [Scheduled(result, job)]
-        decoded = Scheduled(result, job).decoded()
-        return [decoded] if decoded is not None else []
+        return handed(result, job, deferred=isinstance(runner, finals.FinalsStage))
