@@ -22,7 +22,11 @@ partial P95 < 1.5 s hold for them, and the schedulers' queue waits (P95 from the
 ``cosyvoice_decode_wait_seconds``).
 
     python benchmarks/admission.py [--offered 20] [--workers 2] [--seconds 60] [--hog 1]
-        [--scenarios fixed,scheduler,fixed+hog,scheduler+hog] [--json-out F]
+        [--scenarios fixed,scheduler,fixed+hog,scheduler+hog] [--speech en|zh|mix]
+        [--json-out F]
+
+``--speech mix``: every other client speaks Mandarin (``auth.language: auto``), whose
+sessions the multilingual model decodes at about twice the cost (docs/languages.md).
 
 About 7 minutes with the defaults on a 2-core machine; every run stays under 15 minutes.
 """
@@ -133,13 +137,24 @@ def busy_now(metrics_url: str) -> float:
     return sum(s.value for s in samples(metrics_url, "cosyvoice_decode_busy_ratio"))
 
 
-def run(scenario: str, offered: int, workers: int, seconds: float, hogs: int) -> dict:
+def speech_of(speech: str, k: int) -> tuple[dict[str, str], str | None]:
+    """Client ``k``'s sentences and session language: ``en`` the English fixtures on the
+    server's default language, ``zh`` the Mandarin ones on ``auto``, ``mix`` every other
+    client Mandarin."""
+    if speech == "zh" or (speech == "mix" and k % 2):
+        from tests.helpers import zh_texts
+
+        return zh_texts(), "auto"
+    return {k: v for group in groups().values() for k, v in group.items()}, None
+
+
+def run(scenario: str, offered: int, workers: int, seconds: float, hogs: int,
+        speech: str = "en") -> dict:
     kind = scenario.split("+")[0]
     env = {"COSYVOICE_ENGINE": "whisper-live", "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
     if kind.startswith("fixed"):  # "fixed" or "fixed=N" (N a process)
         _, _, n = kind.partition("=")
         env["COSYVOICE_WORKER_CAPACITY"] = n or str(ENGINES["whisper-live"].capacity)
-    texts = {k: v for group in groups().values() for k, v in group.items()}
     hog_procs = []
     if scenario.endswith("+hog"):
         hog_procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -162,7 +177,7 @@ def run(scenario: str, offered: int, workers: int, seconds: float, hogs: int) ->
 
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
-            clients = [OfferedClient(stack.url, deadline, seed=k, texts=texts,
+            clients = [OfferedClient(stack.url, deadline, k, *speech_of(speech, k),
                                      steady_after=start + STEADY_AFTER_S)
                        for k in range(offered)]
             for client in clients:
@@ -181,7 +196,7 @@ def run(scenario: str, offered: int, workers: int, seconds: float, hogs: int) ->
     steady = [s for s in seen if WARMUP_S <= s[0] <= seconds] or seen
     errors = [e for c in clients for e in c.errors]
     level: dict[str, Any] = {
-        "scenario": scenario, "offered": offered,
+        "scenario": scenario, "speech": speech, "offered": offered,
         "completed_sessions": sum(c.sessions for c in clients),
         "refusals": sum(c.refusals for c in clients),
         "decoding_mean": round(sum(s[1] for s in steady) / max(1, len(steady)), 1),
@@ -207,11 +222,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--hog", type=int, default=1)
     ap.add_argument("--scenarios", default="fixed,scheduler,fixed+hog,scheduler+hog")
+    ap.add_argument("--speech", default="en", choices=("en", "zh", "mix"),
+                    help="what the clients say: English (the server's default language), "
+                         "Mandarin on auto, or every other client Mandarin")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     report: dict[str, Any] = {"machine": machine(), "args": vars(args), "scenarios": []}
     for scenario in args.scenarios.split(","):
-        level = run(scenario, args.offered, args.workers, args.seconds, args.hog)
+        level = run(scenario, args.offered, args.workers, args.seconds, args.hog, args.speech)
         report["scenarios"].append(level)
         print(json.dumps(level), file=sys.stderr, flush=True)
     print(markdown(

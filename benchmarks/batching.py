@@ -55,7 +55,7 @@ def micro(sizes: list[int], repeat: int = 3) -> dict:
     names = [names[i % len(names)] for i in range(max(sizes))]  # as many as the largest
     clips = [dec.clip(read_fixture(n), Settings().live_partial_window_s) for n in names]
     head = dec._prompt_tokens("The meeting starts at ten.")
-    alone = [dec._generate(dec._encode([c]), [c], [head], 1)[0].tokens for c in clips]
+    alone = [dec._generate(dec._encode([c]), [c], [head], 1, ["en"])[0].tokens for c in clips]
     out = {}
     for size in sizes:
         enc = gen = 0.0
@@ -66,7 +66,7 @@ def micro(sizes: list[int], repeat: int = 3) -> dict:
                 t0 = time.process_time()
                 encoded = dec._encode(batch, to_cpu=True)
                 t1 = time.process_time()
-                res = dec._generate(encoded, batch, [head] * size, 1)
+                res = dec._generate(encoded, batch, [head] * size, 1, ["en"] * size)
                 gen += time.process_time() - t1
                 enc += t1 - t0
                 changed += sum(r.tokens != a for r, a in zip(res, alone[k:k + size],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -188,12 +188,17 @@ class Bus:
     # ---- gateway side -------------------------------------------------------------
 
     def create_session(self, sid: str, sample_rate: int, conn: str = "",
-                       client: str = "", mode: str = "") -> None:
-        """Write the session's hash; no worker hears of it until it is admitted."""
-        self.r.hset(session_key(sid), mapping={
+                       client: str = "", mode: str = "",
+                       options: Mapping[str, str] | None = None) -> None:
+        """Write the session's hash; no worker hears of it until it is admitted.
+        ``options``: the session's settings its worker reads (``language``, ``script``,
+        ``format``: cosyvoice/stages.py)."""
+        fields: dict[EncodableT, EncodableT] = {
             "rate": sample_rate, "start_rate": sample_rate, "next_seq": 0,
             "status": "active", "created_ms": int(time.time() * 1000), "conn": conn,
-            "client": client, "mode": mode})
+            "client": client, "mode": mode}
+        fields.update(options or {})
+        self.r.hset(session_key(sid), mapping=fields)
 
     def admit(self, sid: str) -> Admission:
         """Announce a created session if the live workers have room for it, atomically

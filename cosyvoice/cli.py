@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .codecs import CODECS, OPUS, parse_bitrate
+from .languages import SCRIPTS
 from .registry import SESSION_MODES
 from .settings import Settings, SettingsError, _parse
 from .subtitles import FORMATS
@@ -142,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not verify the server's TLS certificate")
     tr.add_argument("--mode", choices=SESSION_MODES, default=None,
                     help="where finals come from (the server's engine decides what it offers)")
+    tr.add_argument("--language", default=None, metavar="CODE",
+                    help="the language spoken: auto (detected, the server's default where it "
+                         "offers more than English) or a code such as en, zh, ja, de (GET "
+                         "/config lists the server's)")
+    tr.add_argument("--script", choices=SCRIPTS, default=None,
+                    help="Chinese text in Simplified (hans, the default) or Traditional "
+                         "(hant) characters")
+    tr.add_argument("--format", action="store_true",
+                    help="numbers, dates, times and money as digits (zh, en, ja)")
     tr.add_argument("--codec", choices=CODECS, default=None,
                     help="how the audio travels: pcm16 (raw 16-bit samples, about 270 "
                          "kbit/s; the default) or opus (20 ms Opus packets at --bitrate); "
@@ -466,7 +476,9 @@ def _stream(args: argparse.Namespace, pcm: bytes, rate: int, show):
         return transcribe_pcm(args.url, pcm, rate, pace=args.pace, on_event=show,
                               timeout=args.timeout, token=args.token,
                               ssl_verify=not args.insecure, mode=args.mode,
-                              codec=args.codec, bitrate=args.bitrate or 0, abr=args.abr)
+                              codec=args.codec, bitrate=args.bitrate or 0, abr=args.abr,
+                              language=args.language, script=args.script,
+                              format=args.format)
     except Unreachable as exc:
         raise CliError(EXIT_UNREACHABLE, exc.msg) from None
     except Refused as exc:

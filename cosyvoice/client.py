@@ -30,6 +30,7 @@ import socketio
 from . import codecs
 from .audio import split_chunks
 from .codecs import resample
+from .languages import join_texts
 from .messages import EndEvent, ErrorEvent, TextEvent
 from .protocol import CHUNK_MS, NAMESPACE, encode_chunk, encode_opus_chunk
 
@@ -198,7 +199,8 @@ class Transcript:
 
     @property
     def text(self) -> str:
-        return " ".join(f["text"] for f in self.finals if f["text"]).strip()
+        kept = [f for f in self.finals if f["text"]]
+        return join_texts([f["text"] for f in kept], [f.get("language") for f in kept]).strip()
 
     @property
     def fatal_errors(self) -> list[ErrorEvent]:
@@ -212,9 +214,14 @@ class StreamingClient:
                  on_event: Callable[[str, Mapping[str, Any]], None] | None = None,
                  headers: dict | None = None, reconnect: bool = True, token: str | None = None,
                  ssl_verify: bool = True, mode: str | None = None, codec: str | None = None,
-                 bitrate: int = 0, abr: bool = False):
+                 bitrate: int = 0, abr: bool = False, language: str | None = None,
+                 script: str | None = None, format: bool = False):
         self.url = url
         self.mode = mode
+        # the session's language ("auto" or a code), Chinese script and formatting
+        self.options: dict[str, str | bool] = {
+            k: v for k, v in (("language", language), ("script", script), ("format", format))
+            if v}
         # codecs.OPUS: the audio goes as Opus packets at ``bitrate`` (0: the server's first).
         # None: PCM, or with ``abr`` the rung the server starts the session on.
         self.asked_codec = codec
@@ -253,7 +260,7 @@ class StreamingClient:
     # ---- events -------------------------------------------------------------------------
 
     def _auth(self) -> dict:
-        auth: dict[str, int | str] = {"sample_rate": self.sample_rate}
+        auth: dict[str, int | str | bool] = {"sample_rate": self.sample_rate, **self.options}
         if self.token:
             auth["token"] = self.token
         if self.mode:

@@ -49,6 +49,10 @@ class UnsupportedMode(CosyvoiceError):
     code = "unsupported_mode"
 
 
+class UnsupportedLanguage(CosyvoiceError):
+    code = "unsupported_language"
+
+
 class UnsupportedCodec(CosyvoiceError):
     code = "unsupported_codec"
 
@@ -91,6 +95,6 @@ class Internal(CosyvoiceError):
 ERROR_CODES = tuple(
     cls.code
     for cls in (BadChunk, BadPacket, TooLarge, SeqGap, UnsupportedRate, UnsupportedMode,
-                UnsupportedCodec, RateLimited, Overloaded, Unauthorized, SessionExpired,
-                Unavailable, Internal)
+                UnsupportedLanguage, UnsupportedCodec, RateLimited, Overloaded, Unauthorized,
+                SessionExpired, Unavailable, Internal)
 )

@@ -32,6 +32,7 @@ from .errors import (
     SessionExpired,
     Unavailable,
 )
+from .languages import HANS
 from .limits import ConnectRequest, TokenBucket, parse_auth
 from .outputs import SocketIOOutput
 from .protocol import CHUNK_MS, NAMESPACE, SUPPORTED_RATES, Chunk, decode_chunk
@@ -101,7 +102,9 @@ def session_event(conn: "Connection", resumed: bool, limits: dict) -> dict:
     return {"session": conn.session, "resumed": resumed, "next_seq": conn.next_seq,
             "sample_rate": conn.rate, "chunk_ms": CHUNK_MS, "mode": conn.mode,
             "codec": conn.codec, "bitrate": conn.bitrate, "abr": conn.estimator is not None,
-            "limits": limits}
+            "language": conn.options.get("language", ""),
+            "script": conn.options.get("script", HANS),
+            "format": conn.options.get("format") == "1", "limits": limits}
 
 
 @dataclass
@@ -121,6 +124,9 @@ class Connection:
     bitrate: int = 0  # codec opus: the rung the client asked for
     # A client that follows switches (auth.abr): its rungs' judge
     estimator: abr.Estimator | None = None
+    # the session's settings its worker reads, as stored in its hash (``language``,
+    # ``script``, ``format``)
+    options: dict[str, str] = field(default_factory=dict)
 
 
 
@@ -137,6 +143,8 @@ class Gateway:
         self.connections: dict[str, Connection] = {}
         # Session modes the workers' engine offers (auth ``mode``); the first is the default.
         self.modes = ENGINES[settings.engine].modes
+        # and the languages (auth ``language``; the first is the default)
+        self.languages = ENGINES[settings.engine].languages
         # the rungs a client that follows switches moves between (fixed by the settings)
         self.rungs = abr.rungs_for(settings.accepted_codecs, settings.opus_bitrate_list)
 
@@ -179,7 +187,7 @@ class Gateway:
         socket_id = current_socket_id()
         try:
             req = parse_auth(auth, self.modes, self.settings.accepted_codecs,
-                             self.settings.opus_bitrate_list)
+                             self.settings.opus_bitrate_list, self.languages)
             if self.settings.auth_secret:
                 tokens.verify(self.settings.auth_secret, req.token, self.settings.token_ttl_s)
             conn = self._resume(req, socket_id, notices) if req.session else None
@@ -264,6 +272,8 @@ class Gateway:
     def _open(self, req: ConnectRequest, socket_id: str) -> Connection:
         rate = req.sample_rate or self.settings.default_sample_rate
         mode = req.mode or self.modes[0]
+        options = {"language": req.language or self.languages[0], "script": req.script or HANS,
+                   "format": "1" if req.format else "0"}
         session = secrets.token_hex(12)
         client = request.remote_addr or ""
         hold_s = self.settings.max_session_s + self.settings.session_grace_s
@@ -272,7 +282,8 @@ class Gateway:
             raise RateLimited(f"this address already holds "
                               f"{self.settings.max_sessions_per_client} sessions")
         try:
-            self.bus.create_session(session, rate, conn=socket_id, client=client, mode=mode)
+            self.bus.create_session(session, rate, conn=socket_id, client=client, mode=mode,
+                                    options=options)
             admission = self.bus.admit(session)
         except redis.RedisError:
             self._discard(session, client)
@@ -291,7 +302,7 @@ class Gateway:
             raise
         log.info("session opened", extra={"session": session, "event": "connect"})
         return Connection(session=session, rate=rate, conn_id=socket_id, client=client,
-                          bucket=self._bucket(), mode=mode)
+                          bucket=self._bucket(), mode=mode, options=options)
 
     def _discard(self, session: str, client: str) -> None:
         """Undo a session that is not going ahead (best effort: Redis may be down)."""
@@ -314,7 +325,9 @@ class Gateway:
                           conn_id=socket_id, client=info.get("client", ""),
                           bucket=self._bucket(), next_seq=int(info.get("next_seq", 0)),
                           created=int(info.get("created_ms", 0)) / 1000 or time.time(),
-                          mode=info.get("mode", self.modes[0]))
+                          mode=info.get("mode", self.modes[0]),
+                          options={k: info[k] for k in ("language", "script", "format")
+                                   if k in info})
         self.bus.hold_client_slot(conn.client, conn.session,
                                   self.settings.max_session_s + self.settings.session_grace_s)
         self.relay.subscribe(conn.session, SocketIOOutput(self.socketio, socket_id),

@@ -12,9 +12,11 @@ from .errors import (
     CosyvoiceError,
     Unauthorized,
     UnsupportedCodec,
+    UnsupportedLanguage,
     UnsupportedMode,
     UnsupportedRate,
 )
+from .languages import ENGLISH, SCRIPTS
 from .protocol import SUPPORTED_RATES
 
 # Largest auth dict accepted, serialised as JSON.
@@ -36,14 +38,19 @@ class ConnectRequest:
     codec: str | None = None
     bitrate: int | None = None
     abr: bool = False  # the client follows switch_down and switch_up
+    language: str | None = None  # "auto" or a language code (cosyvoice/languages.py)
+    script: str | None = None  # Chinese script: "hans" (Simplified) or "hant"
+    format: bool = False  # numbers, dates, times and money as digits
 
 
 def parse_auth(auth, modes: tuple[str, ...] = (), codecs: tuple[str, ...] = (PCM16,),
-               bitrates: tuple[int, ...] = ()) -> ConnectRequest:
+               bitrates: tuple[int, ...] = (),
+               languages: tuple[str, ...] = (ENGLISH,)) -> ConnectRequest:
     """Validate the Socket.IO ``auth`` payload; raises ``Unauthorized``, ``UnsupportedRate``,
-    ``UnsupportedMode`` (a ``mode`` that is not one of ``modes``, the engine's offer) or
-    ``UnsupportedCodec`` (a ``codec`` not in ``codecs``, or an Opus ``bitrate`` not in
-    ``bitrates``: the server's offer).
+    ``UnsupportedMode`` (a ``mode`` that is not one of ``modes``, the engine's offer),
+    ``UnsupportedLanguage`` (a ``language`` not in ``languages``, or a ``script`` that is
+    not one of ``SCRIPTS``) or ``UnsupportedCodec`` (a ``codec`` not in ``codecs``, or an
+    Opus ``bitrate`` not in ``bitrates``: the server's offer).
 
     Unknown keys are ignored (newer clients may send more); known keys must have the
     documented types.
@@ -75,10 +82,24 @@ def parse_auth(auth, modes: tuple[str, ...] = (), codecs: tuple[str, ...] = (PCM
     if mode is not None and mode not in modes:
         raise UnsupportedMode(f"mode must be one of {list(modes)} on this server")
     codec, bitrate = _codec(auth, codecs, bitrates)
-    abr = auth.get("abr", False)
-    if type(abr) is not bool:
-        raise Unauthorized("abr must be true or false")
-    return ConnectRequest(rate, token, session, last_result, hint, mode, codec, bitrate, abr)
+    abr = _flag(auth, "abr")
+    language = _optional_str(auth, "language", 16)
+    if language is not None and language not in languages:
+        shown = list(languages) if len(languages) < 8 else "GET /config"
+        raise UnsupportedLanguage(f"language {language!r} is not offered on this server: "
+                                  f"see {shown}")
+    script = _optional_str(auth, "script", 8)
+    if script is not None and script not in SCRIPTS:
+        raise UnsupportedLanguage(f"script must be one of {list(SCRIPTS)}")
+    return ConnectRequest(rate, token, session, last_result, hint, mode, codec, bitrate, abr,
+                          language, script, _flag(auth, "format"))
+
+
+def _flag(auth: dict, key: str) -> bool:
+    value = auth.get(key, False)
+    if type(value) is not bool:
+        raise Unauthorized(f"{key} must be true or false")
+    return value
 
 
 def _codec(auth: dict, codecs: tuple[str, ...],

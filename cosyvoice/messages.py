@@ -41,7 +41,8 @@ class Result(TypedDict):
     ``utterance`` counts from 0 per session; ``seq`` is the last chunk the result covers
     (the worker sets it); finals carry ``words`` (empty where the engine gives none) and
     the ``engine`` that produced them; whisper-live partials carry ``stable``, the leading
-    words the decode before agreed on."""
+    words the decode before agreed on. Every partial and final says its ``language``
+    (finals with ``language_prob`` where the language was detected)."""
     type: Literal["partial", "final"]
     text: str
     utterance: int
@@ -51,6 +52,8 @@ class Result(TypedDict):
     words: NotRequired[list[Word]]
     stable: NotRequired[str]
     engine: NotRequired[str]
+    language: NotRequired[str]  # the language it is in (a code, cosyvoice/languages.py)
+    language_prob: NotRequired[float]  # where that language was detected: its probability
 
 
 class End(TypedDict):

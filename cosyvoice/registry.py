@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from .languages import AUTO, ENGLISH, WHISPER_LANGUAGES
+
 # Backends of Whisper base finals (COSYVOICE_WHISPER_BACKEND).
 WHISPER_BACKENDS = ("torch", "ctranslate2")
 
@@ -22,7 +24,9 @@ class EngineSpec:
     """One engine and what it declares: where its model comes from, the session modes it
     offers (auth ``mode``; the first is the default), the sessions a worker process
     decodes at once within the latency targets on the reference host (2 cores, measured:
-    docs/engines.md, "Capacity"), and its deferred stage (cosyvoice/stages.py), if any:
+    docs/engines.md, "Capacity"), the languages a session may ask for (``auth.language``,
+    cosyvoice/languages.py; the first is the default), and its deferred stage
+    (cosyvoice/stages.py), if any:
 
     - ``"finals"``: the worker's finals process decodes its finals (cosyvoice/finals.py);
       the factory is called with the engine's name as its ``default_mode``;
@@ -38,11 +42,17 @@ class EngineSpec:
     # cosyvoice/asr/calibrate.py measures it: another host scales ``capacity`` by it.
     reference_cost: float
     stage: Literal["finals", "scheduler"] | None = None
+    # the session languages it offers (auth ``language``; the first is the default)
+    languages: tuple[str, ...] = (ENGLISH,)
 
+
+# whisper-live: Whisper tiny.en for English, a multilingual Whisper for the rest, or each
+# utterance's language detected (docs/languages.md)
+MULTILINGUAL = (AUTO, *WHISPER_LANGUAGES)
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("whisper-live", "live_engine:LiveModel", ("whisper-live",), capacity=6,
-               reference_cost=0.071, stage="scheduler"),
+               reference_cost=0.071, stage="scheduler", languages=MULTILINGUAL),
     EngineSpec("pocketsphinx", "pocketsphinx_engine:PocketSphinxModel", ("pocketsphinx",),
                capacity=6, reference_cost=0.094),
     EngineSpec("2pass", "whisper_engine:TwoPassModel", ("2pass", "pocketsphinx", "whisper"),

@@ -77,6 +77,14 @@ class Settings:
     # whisper-live: an utterance longer than this ends at the first chunk that ends in a
     # pause, so no utterance outgrows Whisper's 30 s window (hard cut: max_utterance_s).
     live_pause_cut_s: float = 12.0
+    # whisper-live: the CTranslate2 Whisper directory that decodes every language but
+    # English (small, medium, large-v3, distil, ... for the day the weights are here);
+    # empty: the packaged Whisper base (docs/languages.md).
+    multilingual_model: str = ""
+    # whisper-live, auto sessions in English: a tiny.en final whose average log-probability
+    # is under this is checked with the multilingual model's language detection (English
+    # speech gave -0.04 to -0.33 on the fixtures, Mandarin -0.86 to -1.39; docs/languages.md).
+    language_recheck_logprob: float = -0.5
     # Whisper backend for finals: "torch" (openai-whisper on the memory-mapped checkpoint)
     # or "ctranslate2" (faster-whisper, int8).
     whisper_backend: str = "torch"
@@ -311,6 +319,9 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "live_beam_size": _at_least(1),
     "live_partial_window_s": ((lambda v: 5 <= v <= 30), "seconds from 5 to 30"),
     "live_pause_cut_s": _more_than(0),
+    "multilingual_model": ((lambda v: v == "" or os.path.isfile(os.path.join(v, "model.bin"))),
+                           "a CTranslate2 Whisper directory (with model.bin), or empty"),
+    "language_recheck_logprob": ((lambda v: v <= 0), "a log-probability, at most 0"),
     "whisper_backend": _one_of(*WHISPER_BACKENDS),
     "whisper_threads": _at_least(1),
     "device": _one_of("auto", "cpu", "cuda"),

@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
+from . import formatting, script
+from .languages import AUTO, ENGLISH
 from .messages import Outgoing, Result, Scheduled, TextRule
 
 
@@ -58,9 +60,24 @@ class TextStage:
     cost: float = 0.0
 
 
-# The text stages, in the order they run. The next issues add script conversion and
-# number formatting here, each one line.
-TEXT_STAGES: tuple[TextStage, ...] = ()
+def _language_rule(session: Mapping[str, str]) -> TextRule:
+    """A result the engine did not label is in the session's language (an English-only
+    engine's are in English)."""
+    asked = session.get("language") or ENGLISH
+    language = ENGLISH if asked == AUTO else asked
+
+    def rule(result: Result) -> Result:
+        return result if result.get("language") else {**result, "language": language}
+    return rule
+
+
+# The text stages, in the order they run: every result says its language, then Chinese is
+# written in the session's script, then a session that asked for it gets digits.
+TEXT_STAGES: tuple[TextStage, ...] = (
+    TextStage("language", lambda session: True, _language_rule),
+    TextStage("script", script.wanted, script.rule, script.COST),
+    TextStage("format", formatting.wanted, formatting.rule, formatting.COST),
+)
 
 
 def text_rules(session: Mapping[str, str],

@@ -7,22 +7,33 @@ the same cues:
 - **Text**: each final's text on its own line (finals without text are left out).
 - **Cues**: a final's words, in order, filled into cues of at most ``MAX_LINES`` lines of
   ``LINE_CHARS`` characters (the common subtitle guideline) and at most ``MAX_CUE_S``
-  seconds; a cue of two lines is cut where the lines are most even. A cue runs from its
+  seconds; a cue of two lines is cut where the lines are most even. A final in a language
+  written without spaces (its ``language``: Chinese, Japanese, Thai, ...) is cut into lines
+  of ``UNSPACED_LINE_CHARS`` characters (the guideline for CJK subtitles), its words
+  (characters or tokens) joined without spaces; where its words no longer spell its text
+  (a formatted final), its characters are the words. A cue runs from its
   first word's start to its last word's end: word times where the engine gives them (as
   many words as the final's text has), otherwise the final's own times shared out over its
   characters. Cues never overlap and never go backwards: a cue that would start before the
   previous one ends starts where it ends, and every cue lasts at least ``MIN_CUE_MS``.
-- **JSON**: every final with its text, times, words (with their times and confidences)
-  and engine, and the whole text.
+- **JSON**: every final with its text, times, words (with their times and confidences),
+  engine and language, the whole text (finals joined by a space, except between two in a
+  language written without spaces) and the session's ``language`` (that of most finals).
+- **WebVTT** says that language in its header (``Language: zh``); SRT has no header to say
+  it in.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 
+from .languages import join_texts, unspaced
+
 LINE_CHARS = 42
+UNSPACED_LINE_CHARS = 16
 MAX_LINES = 2
 MAX_CUE_S = 7.0
 MIN_CUE_MS = 100
@@ -36,32 +47,45 @@ class Cue:
     lines: list[str]
 
 
+def _sep(final: dict) -> str:
+    """What goes between two words of the final."""
+    return "" if unspaced(final.get("language")) else " "
+
+
 def _timed_words(final: dict) -> list[tuple[str, float, float]]:
     """The final's text, a word at a time, with each word's start and end."""
-    tokens = final["text"].split()
+    sep = _sep(final)
     words = [w for w in final.get("words") or [] if str(w.get("word", "")).strip()]
-    if len(words) == len(tokens):
+    if sep:
+        tokens = final["text"].split()
+        fits = len(words) == len(tokens)
+    else:
+        tokens = [str(w["word"]).strip() for w in words]
+        fits = "".join(tokens) == "".join(final["text"].split())
+        if not fits:
+            tokens = list("".join(final["text"].split()))
+    if fits:
         return [(tok, float(w["start"]), float(w["end"]))
                 for tok, w in zip(tokens, words, strict=True)]
     start, end = float(final["start"]), float(final["end"])
-    total = sum(len(t) + 1 for t in tokens)
+    total = sum(len(t) + len(sep) for t in tokens)
     out, pos = [], 0
     for tok in tokens:
         s = start + (end - start) * pos / total
-        pos += len(tok) + 1
+        pos += len(tok) + len(sep)
         out.append((tok, s, start + (end - start) * pos / total))
     return out
 
 
-def wrap(tokens: list[str], width: int = LINE_CHARS) -> list[str]:
+def wrap(tokens: list[str], width: int = LINE_CHARS, sep: str = " ") -> list[str]:
     """Tokens as subtitle lines of at most ``width`` characters: one line if they fit,
     else two of the most even lengths, else (a cue too long for two) filled greedily."""
-    text = " ".join(tokens)
+    text = sep.join(tokens)
     if len(text) <= width:
         return [text]
     best: tuple[int, list[str]] | None = None
     for k in range(1, len(tokens)):
-        first, second = " ".join(tokens[:k]), " ".join(tokens[k:])
+        first, second = sep.join(tokens[:k]), sep.join(tokens[k:])
         if len(first) <= width and len(second) <= width:
             score = abs(len(first) - len(second))
             if best is None or score < best[0]:
@@ -70,8 +94,8 @@ def wrap(tokens: list[str], width: int = LINE_CHARS) -> list[str]:
         return best[1]
     lines: list[str] = []
     for tok in tokens:
-        if lines and len(lines[-1]) + 1 + len(tok) <= width:
-            lines[-1] += " " + tok
+        if lines and len(lines[-1]) + len(sep) + len(tok) <= width:
+            lines[-1] += sep + tok
         else:
             lines.append(tok)
     return lines
@@ -82,17 +106,19 @@ def cues(finals: list[dict]) -> list[Cue]:
     for final in finals:
         if not final.get("text", "").strip():
             continue
+        sep = _sep(final)
+        width = UNSPACED_LINE_CHARS if not sep else LINE_CHARS
         group: list[tuple[str, float, float]] = []
         for word in _timed_words(final):
             candidate = group + [word]
-            if group and (len(wrap([t for t, _, _ in candidate])) > MAX_LINES
+            if group and (len(wrap([t for t, _, _ in candidate], width, sep)) > MAX_LINES
                           or candidate[-1][2] - candidate[0][1] > MAX_CUE_S):
-                out.append(_cue(group))
+                out.append(_cue(group, width, sep))
                 group = [word]
             else:
                 group = candidate
         if group:
-            out.append(_cue(group))
+            out.append(_cue(group, width, sep))
     last_end = 0
     for cue in out:  # in order, never overlapping
         cue.start_ms = max(cue.start_ms, last_end)
@@ -105,8 +131,8 @@ def _ms(seconds: float) -> int:
     return math.floor(seconds * 1000 + 0.5)  # half up, as the page's Math.round
 
 
-def _cue(group: list[tuple[str, float, float]]) -> Cue:
-    return Cue(_ms(group[0][1]), _ms(group[-1][2]), wrap([t for t, _, _ in group]))
+def _cue(group: list[tuple[str, float, float]], width: int, sep: str) -> Cue:
+    return Cue(_ms(group[0][1]), _ms(group[-1][2]), wrap([t for t, _, _ in group], width, sep))
 
 
 def _clock(ms: int, sep: str) -> str:
@@ -125,8 +151,17 @@ def to_srt(finals: list[dict]) -> str:
                    + "\n".join(c.lines) + "\n\n" for i, c in enumerate(cues(finals), 1))
 
 
+def language(finals: list[dict]) -> str:
+    """The language of most finals with text ("" where none says one; the first of a tie)."""
+    counts = Counter(f["language"] for f in finals
+                     if f.get("text", "").strip() and f.get("language"))
+    return counts.most_common(1)[0][0] if counts else ""
+
+
 def to_vtt(finals: list[dict]) -> str:
-    return "WEBVTT\n\n" + "".join(
+    lang = language(finals)
+    header = f"WEBVTT\nLanguage: {lang}\n\n" if lang else "WEBVTT\n\n"
+    return header + "".join(
         f"{_clock(c.start_ms, '.')} --> {_clock(c.end_ms, '.')}\n" + "\n".join(c.lines)
         + "\n\n" for c in cues(finals))
 
@@ -134,7 +169,8 @@ def to_vtt(finals: list[dict]) -> str:
 def to_json(finals: list[dict]) -> str:
     kept = [{k: v for k, v in f.items() if k != "type"} for f in finals
             if f.get("text", "").strip()]
-    return json.dumps({"text": " ".join(f["text"].strip() for f in kept), "finals": kept},
+    text = join_texts([f["text"].strip() for f in kept], [f.get("language") for f in kept])
+    return json.dumps({"text": text, "language": language(finals), "finals": kept},
                       indent=1) + "\n"
 
 

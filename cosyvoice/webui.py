@@ -22,6 +22,7 @@ from flask_socketio import SocketIO
 from . import bus as busmod
 from . import debug_mem, fastws, probes
 from .gateway import Gateway, session_limits
+from .languages import WHISPER_LANGUAGES
 from .protocol import max_payload_bytes
 from .settings import Settings
 
@@ -103,9 +104,11 @@ def install_page(app: Flask, settings: Settings, gateway: Gateway) -> None:
 
     @app.get("/config")
     def config():
-        # what the page offers before a session: the session modes (the first is the
-        # default) and the limits its session event will repeat
+        # what the page offers before a session: the session modes and languages (the
+        # first of each is the default) and the limits its session event will repeat
         return jsonify(engine=settings.engine, modes=list(gateway.modes),
+                       languages=[{"code": code, "name": WHISPER_LANGUAGES.get(code, "detect")}
+                                  for code in gateway.languages],
                        limits=session_limits(settings))
 
     @app.get("/")

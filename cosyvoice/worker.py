@@ -32,7 +32,7 @@ from .asr.admission import Admission, Targets
 from .asr.scheduler import Load
 from .backoff import Backoff
 from .chunk_pb import AudioChunkProto
-from .codecs import SessionAudio
+from .codecs import SAMPLE_WIDTH, SessionAudio
 from .messages import Checkpoint, Decoded, End, ErrorResult, TextRule
 from .outbox import Outbox, Ready, entry_results
 from .protocol import parse_stored
@@ -118,6 +118,10 @@ class Worker:
                               settings.decode_busy_target))
             if spec.stage == "scheduler" and self.stage is not None
             and not settings.worker_capacity else None)
+        # audio seconds fed to the streams since the scheduler's load was last sampled, and
+        # when that was: how many real-time sessions' worth of audio the load came from
+        self._fed_s = 0.0
+        self._fed_since = time.monotonic()
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -241,11 +245,14 @@ class Worker:
         if not isinstance(load, Load):
             return  # a stage that reports no load (the finals process)
         metrics.scheduler_load(load)
+        now = time.monotonic()
+        realtime = self._fed_s / (now - self._fed_since) if now > self._fed_since else None
+        self._fed_s, self._fed_since = 0.0, now
         if self.admission is None:
             return
         before = self.capacity
         self.capacity = self.admission.update(len(self.sessions), load.busy,
-                                              load.final_waits, load.partial_waits)
+                                              load.final_waits, load.partial_waits, realtime)
         if self.capacity != before:
             log.info("capacity %d -> %d (%s; %d sessions, busy %.2f a session)", before,
                      self.capacity, self.admission.reason, len(self.sessions),
@@ -268,7 +275,8 @@ class Worker:
             position, next_seq, rate = checkpoint.id, checkpoint.seq + 1, checkpoint.rate
         else:
             rate = int(info["start_rate"])
-            stream = self.model.stream(rate, mode=info.get("mode") or None)
+            stream = self.model.stream(rate, mode=info.get("mode") or None,
+                                       language=info.get("language") or None)
             position, next_seq = "0-0", 0
         undecodable = metrics.OPUS_UNDECODABLE.inc
         audio = (SessionAudio.resumed(rate, self._audio_back(ann.sid, checkpoint.id),
@@ -340,6 +348,7 @@ class Worker:
         """Feed one chunk's audio (PCM, or Opus decoded to 16 kHz) to the stream."""
         decoded: list[Decoded] = []
         for pcm, rate in s.audio.pieces(msg):
+            self._fed_s += len(pcm) / (SAMPLE_WIDTH * rate)
             decoded += s.stream.feed(pcm, rate)
         return decoded
 

@@ -49,6 +49,31 @@ def harvard_texts() -> dict[str, str]:
     return _tsv("harvard.tsv")
 
 
+def zh_texts() -> dict[str, str]:
+    """name -> reference text (Simplified) of the Mandarin fixtures (``zh/zhNN``)."""
+    return {f"zh/{name}": text for name, text in _tsv("zh/sentences.tsv").items()}
+
+
+def joined(names: list[str], gap_s: float = 1.5) -> bytes:
+    """Fixtures one after the other with ``gap_s`` of silence between (an endpoint each)."""
+    gap = b"\0\0" * int(gap_s * 16000)
+    return gap.join(read_pcm(name) for name in names)
+
+
+def han(text: str) -> str:
+    """The Chinese characters of ``text`` in Simplified script (OpenCC t2s), nothing else:
+    what a character error rate compares."""
+    import opencc
+
+    simplified = opencc.OpenCC("t2s").convert(text)
+    return "".join(c for c in simplified if "\u4e00" <= c <= "\u9fff")
+
+
+def cer(references: list[str], hypotheses: list[str]) -> float:
+    """Character error rate over the set, Chinese characters only, script aside."""
+    return jiwer.cer([han(r) for r in references], [han(h) or "-" for h in hypotheses])
+
+
 def reference_text(name: str) -> str:
     """The reference text beside fixture ``name`` (``name.txt``: the name, a tab, the text)."""
     return (FIXTURES / f"{name}.txt").read_text().split("\t", 1)[1].strip()
@@ -153,10 +178,11 @@ def phase_bound(reference: str, pcm: bytes, engine: str = ENGINE) -> float:
 # ---- an engine driven in this process ---------------------------------------------------
 
 
-def run_stream(model, pcm, rate=16000, chunk_ms=200, checkpoint=None, start=0):
-    """A session's results from ``model`` fed ``pcm`` in chunks from byte ``start``, and
-    the checkpoint after each chunk that gave a final (keyed by the byte after it)."""
-    stream = model.stream(rate, checkpoint)
+def run_stream(model, pcm, rate=16000, chunk_ms=200, checkpoint=None, start=0, language=None):
+    """A session's results from ``model`` fed ``pcm`` in chunks from byte ``start`` (in
+    ``language``: the engine's default where None), and the checkpoint after each chunk
+    that gave a final (keyed by the byte after it)."""
+    stream = model.stream(rate, checkpoint, language=language)
     size = rate * chunk_ms // 1000 * 2
     results, checkpoints = [], {}
     for i in range(start, len(pcm), size):

@@ -60,7 +60,10 @@ class Model(Protocol):
         ...
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
-               mode: str | None = None) -> Stream: ...
+               mode: str | None = None, language: str | None = None) -> Stream:
+        """A session's stream: from its ``checkpoint``, else new, in the session ``mode``
+        and ``language`` (one of ``EngineSpec.languages``; None: the engine's default)."""
+        ...
 
 
 def capacity_of(settings: Settings) -> int:

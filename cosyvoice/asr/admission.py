@@ -14,9 +14,16 @@ at every lease renewal and advertises the capacity this module computes from it:
   least 1). Nobody is shed: the process admits no new session until it is back within the
   targets, and its sessions end in their own time. That many sessions is not tried again
   for ``HOLD`` renewals, twice as long each time it is over target again.
-- **Within target, fill up to the measured fit.** Each session's share of the
-  scheduler's time (busy fraction / sessions over the last ``COST_WINDOW`` samples) gives
-  how many sessions keep the scheduler at ``busy`` (the fit). While the process is full
+- **Within target, fill up to the measured fit.** A real-time session's share of the
+  scheduler's time (busy fraction / real-time sessions over the last ``COST_WINDOW``
+  samples) gives how many sessions keep the scheduler at ``busy`` (the fit). Real-time
+  sessions are counted by the audio the worker fed its streams (audio seconds per wall
+  second), so a file sent twice as fast as it plays counts as two, and a session that
+  sends nothing as none: counting sessions, one file sent fast made a process look full
+  and it kept that capacity once idle. For the same reason the queue waits of a sample fed
+  more than ``BACKLOG_RATIO`` times its sessions' real-time audio are left out: a backlog
+  caught up (a file sent fast, a take-over replaying) queues its own finals, which says
+  nothing about how many microphones fit. While the process is full
   and within target, the capacity grows by one towards the fit once ``MIN_WAITS`` finals
   were measured at the current load, so a new session's cost shows before the next is
   admitted; where the fit is below the capacity (a slower host, longer utterances), it
@@ -42,6 +49,10 @@ WINDOW = 40  # recent waits of each kind the percentiles are taken over
 MIN_WAITS = 10  # fewer than this say nothing yet (the P95 of 5 is their maximum)
 COST_WINDOW = 10  # recent samples the cost of a session is taken over
 MIN_SAMPLES = 5  # samples with sessions before the cost says anything
+# a sample whose streams were fed more than this many times their sessions' real-time
+# audio was a backlog being caught up (a file sent fast, a take-over replaying): its queue
+# waits say nothing about how many real-time sessions fit
+BACKLOG_RATIO = 1.5
 HOLD = 10  # renewals before trying again a capacity that was over target; doubled each
 MAX_HOLD = 160  # time it is over target again, up to this
 
@@ -67,7 +78,8 @@ class Admission:
         self.targets = targets
         self.finals: deque[float] = deque(maxlen=WINDOW)
         self.partials: deque[float] = deque(maxlen=WINDOW)
-        self.loads: deque[tuple[float, int]] = deque(maxlen=COST_WINDOW)  # (busy, sessions)
+        # (busy, real-time sessions)
+        self.loads: deque[tuple[float, float]] = deque(maxlen=COST_WINDOW)
         self.reason = "start"
         self.over_at: int | None = None  # the fewest sessions last seen over target
         self.hold = 0  # renewals before the capacity may reach ``over_at`` again
@@ -85,10 +97,11 @@ class Admission:
 
     @property
     def cost(self) -> float | None:
-        """The scheduler's busy fraction a session adds, over the recent samples."""
+        """The scheduler's busy fraction a real-time session adds, over the recent samples."""
         if len(self.loads) < MIN_SAMPLES:
             return None
-        return sum(b for b, _ in self.loads) / sum(n for _, n in self.loads)
+        sessions = sum(n for _, n in self.loads)
+        return sum(b for b, _ in self.loads) / sessions if sessions > 0 else None
 
     def fit(self) -> int | None:
         cost = self.cost
@@ -105,17 +118,19 @@ class Admission:
         return self.capacity
 
     def update(self, sessions: int, busy: float, final_waits: list[float],
-               partial_waits: list[float]) -> int:
+               partial_waits: list[float], realtime: float | None = None) -> int:
         """The capacity after one sample: ``busy`` fraction of the time decoding, the
-        waits of the decodes done since the last sample, with ``sessions`` decoded."""
-        self.finals.extend(final_waits)
-        self.partials.extend(partial_waits)
+        waits of the decodes done since the last sample, with ``sessions`` decoded and
+        ``realtime`` real-time sessions' worth of audio fed (None: ``sessions``)."""
+        if realtime is None or realtime <= BACKLOG_RATIO * sessions:
+            self.finals.extend(final_waits)
+            self.partials.extend(partial_waits)
         self.hold = max(0, self.hold - 1)
         if sessions == 0:
             self.finals.clear()  # the next sessions' waits say what they cost
             self.partials.clear()
             return self.capacity
-        self.loads.append((busy, sessions))
+        self.loads.append((busy, sessions if realtime is None else realtime))
         if self.over():
             # not again soon, and each time it fails there, later
             self.over_at = sessions if self.over_at is None else min(self.over_at, sessions)

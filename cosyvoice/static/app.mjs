@@ -18,12 +18,14 @@ const FILE_RATE = 16000;
 const CHUNK_MS = 200;
 // What each session mode means, for the mode choice.
 const MODE_NAMES = {
-  "whisper-live": "Live (Whisper tiny.en)",
+  "whisper-live": "Live (Whisper)",
   "2pass": "Live partials, Whisper base finals",
   whisper: "Whisper base finals only",
   pocketsphinx: "PocketSphinx",
   null: "Null (test engine)",
 };
+// The session choices the page remembers (localStorage), by the auth key they set.
+const REMEMBERED = { language: "cosyvoice.language", script: "cosyvoice.script", format: "cosyvoice.format" };
 const DOWNLOADS = {
   txt: { render: toText, type: "text/plain" },
   srt: { render: toSrt, type: "application/x-subrip" },
@@ -101,6 +103,15 @@ class App {
     this.encoder = null; // an OpusChunker while the microphone's audio goes as Opus
     this.modeChoice = $("mode-choice");
     this.modeSelect = $("mode");
+    this.languageChoice = $("language-choice");
+    this.languageSelect = $("language");
+    this.scriptChoice = $("script-choice");
+    this.scriptSelect = $("script");
+    this.formatChoice = $("format-choice");
+    this.formatBox = $("format");
+    this.languageSelect.addEventListener("change", () => this.rememberChoices());
+    this.scriptSelect.addEventListener("change", () => this.rememberChoices());
+    this.formatBox.addEventListener("change", () => this.rememberChoices());
     this.transcript = $("transcript");
     this.button.addEventListener("click", () => this.toggle());
     $("clear").addEventListener("click", () => this.view.clear());
@@ -148,6 +159,7 @@ class App {
       return; // the recording itself says what is wrong with the server
     }
     this.codecOffer = config.limits?.codecs ?? null;
+    this.loadLanguages(config.languages ?? []);
     const modes = config.modes ?? [];
     if (modes.length < 2) return;
     this.modeSelect.replaceChildren(...modes.map((m) => {
@@ -162,6 +174,54 @@ class App {
 
   mode() {
     return this.modeChoice.hidden ? null : this.modeSelect.value;
+  }
+
+  /** The server's languages (the first, "auto" where it detects, is the default): a choice
+   * where it offers more than one, the last one picked remembered, with the Chinese script
+   * and the digits toggle. */
+  loadLanguages(languages) {
+    if (languages.length < 2) return;
+    this.languageSelect.replaceChildren(...languages.map(({ code, name }) => {
+      const option = document.createElement("option");
+      option.value = code;
+      option.textContent = code === "auto" ? "Detect (auto)" : `${name[0].toUpperCase()}${name.slice(1)} (${code})`;
+      return option;
+    }));
+    const remembered = (key) => globalThis.localStorage?.getItem(REMEMBERED[key]);
+    const language = remembered("language");
+    if (language && languages.some((l) => l.code === language)) this.languageSelect.value = language;
+    if (remembered("script") === "hant") this.scriptSelect.value = "hant";
+    this.formatBox.checked = remembered("format") === "1";
+    this.languageChoice.hidden = false;
+    this.formatChoice.hidden = false;
+    this.showScript();
+  }
+
+  showScript() {
+    this.scriptChoice.hidden = !["auto", "zh"].includes(this.languageSelect.value);
+  }
+
+  rememberChoices() {
+    this.showScript();
+    try {
+      localStorage.setItem(REMEMBERED.language, this.languageSelect.value);
+      localStorage.setItem(REMEMBERED.script, this.scriptSelect.value);
+      localStorage.setItem(REMEMBERED.format, this.formatBox.checked ? "1" : "0");
+    } catch {
+      // storage off (private windows): the choice holds until the page is closed
+    }
+  }
+
+  /** The session's options: mode, language, Chinese script, digits. */
+  sessionOptions() {
+    const offered = !this.languageChoice.hidden;
+    return {
+      token: pageToken(),
+      mode: this.mode(),
+      language: offered ? this.languageSelect.value : null,
+      script: offered && !this.scriptChoice.hidden ? this.scriptSelect.value : null,
+      format: offered && this.formatBox.checked,
+    };
   }
 
   /** The Opus bitrate the microphone's audio goes at, or 0 for PCM: Opus where the
@@ -213,7 +273,7 @@ class App {
       this.setState("idle");
       return;
     }
-    const stream = new SpeechStream(this.streamHandlers(), { token: pageToken(), mode: this.mode() });
+    const stream = new SpeechStream(this.streamHandlers(), this.sessionOptions());
     this.stream = stream;
     this.rate = FILE_RATE;
     this.audio.textContent = `${kHz(FILE_RATE)} · file`;
@@ -280,7 +340,7 @@ class App {
     this.errorShown = false;
     const bitrate = await this.opusBitrate();
     // A page that encodes Opus follows the server's switches between PCM and Opus rungs.
-    const stream = new SpeechStream(this.streamHandlers(), { token: pageToken(), mode: this.mode(), bitrate, abr: bitrate > 0 });
+    const stream = new SpeechStream(this.streamHandlers(), { ...this.sessionOptions(), bitrate, abr: bitrate > 0 });
     this.held = null;
     const mic = new Microphone((chunk) => this.onChunk(chunk));
     this.stream = stream;

@@ -30,11 +30,15 @@ export class SpeechStream {
   /** `token` is sent as `auth.token` when the service requires one; `mode` (one of the
    * server's session modes) asks for a mode when the session is created; `bitrate` says
    * the audio goes as Opus at that bitrate (`auth.codec`, `auth.bitrate`); `abr` that the
-   * page follows the server's switch_down and switch_up (`auth.abr`). */
-  constructor(handlers, { token = null, mode = null, bitrate = 0, abr = false } = {}) {
+   * page follows the server's switch_down and switch_up (`auth.abr`); `language` ("auto" or
+   * a code), `script` ("hans" or "hant") and `format` (digits) are the session's
+   * `auth.language`, `auth.script` and `auth.format`. */
+  constructor(handlers, { token = null, mode = null, bitrate = 0, abr = false, language = null,
+    script = null, format = false } = {}) {
     this.on = handlers;
     this.token = token;
     this.mode = mode;
+    this.options = { language, script, format };
     this.bitrate = bitrate;
     this.abr = abr;
     this.socket = null;
@@ -99,8 +103,11 @@ export class SpeechStream {
     if (this.session) {
       auth.session = this.session.id;
       if (this.lastResultId) auth.last_result = this.lastResultId;
-    } else if (this.mode) {
-      auth.mode = this.mode;
+    } else {
+      if (this.mode) auth.mode = this.mode;
+      for (const [key, value] of Object.entries(this.options)) {
+        if (value) auth[key] = value;
+      }
     }
     if (this.bitrate) {
       auth.codec = "opus";

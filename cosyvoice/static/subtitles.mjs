@@ -4,9 +4,15 @@
 // each final's text a line; cues of at most two lines of 42 characters and 7 s, a
 // two-line cue cut where its lines are most even, timed by word times where the engine
 // gives them (the final's times shared out over its characters otherwise), in order and
-// never overlapping, each at least 100 ms long.
+// never overlapping, each at least 100 ms long. A final in a language written without
+// spaces (Chinese, Japanese, Thai, ...) is cut into lines of 16 characters, its words
+// joined without spaces (its characters where the words no longer spell its text); WebVTT
+// names the language of most finals in its header.
 
 export const LINE_CHARS = 42;
+export const UNSPACED_LINE_CHARS = 16;
+// cosyvoice/languages.py UNSPACED
+export const UNSPACED = new Set(["zh", "ja", "th", "lo", "my"]);
 export const MAX_LINES = 2;
 export const MAX_CUE_S = 7.0;
 export const MIN_CUE_MS = 100;
@@ -15,32 +21,47 @@ function hasText(final) {
   return Boolean((final.text ?? "").trim());
 }
 
+function separator(final) {
+  return UNSPACED.has(final.language ?? "") ? "" : " ";
+}
+
 function timedWords(final) {
-  const tokens = final.text.split(/\s+/).filter(Boolean);
+  const sep = separator(final);
   const words = (final.words ?? []).filter((w) => String(w.word ?? "").trim());
-  if (words.length === tokens.length) {
+  let tokens;
+  let fits;
+  if (sep) {
+    tokens = final.text.split(/\s+/).filter(Boolean);
+    fits = words.length === tokens.length;
+  } else {
+    tokens = words.map((w) => String(w.word).trim());
+    const spelled = final.text.split(/\s+/).join("");
+    fits = tokens.join("") === spelled;
+    if (!fits) tokens = Array.from(spelled);
+  }
+  if (fits) {
     return tokens.map((tok, i) => [tok, Number(words[i].start), Number(words[i].end)]);
   }
   const start = Number(final.start);
   const end = Number(final.end);
-  const total = tokens.reduce((n, t) => n + t.length + 1, 0);
+  const total = tokens.reduce((n, t) => n + t.length + sep.length, 0);
   let pos = 0;
   return tokens.map((tok) => {
     const s = start + ((end - start) * pos) / total;
-    pos += tok.length + 1;
+    pos += tok.length + sep.length;
     return [tok, s, start + ((end - start) * pos) / total];
   });
 }
 
 /** Tokens as subtitle lines: one if they fit, else two of the most even lengths, else
  * filled greedily. */
-export function wrap(tokens, width = LINE_CHARS) {
-  const text = tokens.join(" ");
+export function wrap(tokens, width = LINE_CHARS, sep = " ") {
+  const text = tokens.join(sep);
   if (text.length <= width) return [text];
   let best = null;
   for (let k = 1; k < tokens.length; k++) {
-    const first = tokens.slice(0, k).join(" ");
-    const second = tokens.slice(k).join(" ");
+    const first = tokens.slice(0, k).join(sep);
+    const second = tokens.slice(k).join(sep);
     if (first.length <= width && second.length <= width) {
       const score = Math.abs(first.length - second.length);
       if (best === null || score < best[0]) best = [score, [first, second]];
@@ -49,8 +70,8 @@ export function wrap(tokens, width = LINE_CHARS) {
   if (best !== null) return best[1];
   const lines = [];
   for (const tok of tokens) {
-    if (lines.length && lines[lines.length - 1].length + 1 + tok.length <= width) {
-      lines[lines.length - 1] += ` ${tok}`;
+    if (lines.length && lines[lines.length - 1].length + sep.length + tok.length <= width) {
+      lines[lines.length - 1] += sep + tok;
     } else {
       lines.push(tok);
     }
@@ -58,11 +79,11 @@ export function wrap(tokens, width = LINE_CHARS) {
   return lines;
 }
 
-function cue(group) {
+function cue(group, width, sep) {
   return {
     startMs: Math.round(group[0][1] * 1000),
     endMs: Math.round(group[group.length - 1][2] * 1000),
-    lines: wrap(group.map((w) => w[0])),
+    lines: wrap(group.map((w) => w[0]), width, sep),
   };
 }
 
@@ -70,18 +91,20 @@ export function cues(finals) {
   const out = [];
   for (const final of finals) {
     if (!hasText(final)) continue;
+    const sep = separator(final);
+    const width = sep ? LINE_CHARS : UNSPACED_LINE_CHARS;
     let group = [];
     for (const word of timedWords(final)) {
       const candidate = [...group, word];
-      if (group.length && (wrap(candidate.map((w) => w[0])).length > MAX_LINES
+      if (group.length && (wrap(candidate.map((w) => w[0]), width, sep).length > MAX_LINES
           || candidate[candidate.length - 1][2] - candidate[0][1] > MAX_CUE_S)) {
-        out.push(cue(group));
+        out.push(cue(group, width, sep));
         group = [word];
       } else {
         group = candidate;
       }
     }
-    if (group.length) out.push(cue(group));
+    if (group.length) out.push(cue(group, width, sep));
   }
   let lastEnd = 0;
   for (const c of out) {
@@ -109,7 +132,22 @@ export function toSrt(finals) {
     + `${c.lines.join("\n")}\n\n`).join("");
 }
 
+/** The language of most finals with text ("" where none says one; the first of a tie). */
+export function language(finals) {
+  const counts = new Map();
+  for (const f of finals) {
+    if (hasText(f) && f.language) counts.set(f.language, (counts.get(f.language) ?? 0) + 1);
+  }
+  let best = "";
+  let most = 0;
+  for (const [lang, n] of counts) {
+    if (n > most) [best, most] = [lang, n];
+  }
+  return best;
+}
+
 export function toVtt(finals) {
-  return "WEBVTT\n\n" + cues(finals).map((c) => `${clock(c.startMs, ".")} --> ${clock(c.endMs, ".")}\n`
+  const lang = language(finals);
+  return (lang ? `WEBVTT\nLanguage: ${lang}\n\n` : "WEBVTT\n\n") + cues(finals).map((c) => `${clock(c.startMs, ".")} --> ${clock(c.endMs, ".")}\n`
     + `${c.lines.join("\n")}\n\n`).join("");
 }

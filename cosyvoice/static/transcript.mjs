@@ -4,6 +4,12 @@
 // shows each final's own text, so a downloaded file says what the page says.
 
 const LOW_CONFIDENCE = 0.5;
+// cosyvoice/languages.py UNSPACED: languages written without spaces between words
+const UNSPACED = new Set(["zh", "ja", "th", "lo", "my"]);
+
+function unspaced(result) {
+  return UNSPACED.has(result?.language ?? "");
+}
 
 function seconds(t) {
   return `${t.toFixed(2)} s`;
@@ -37,14 +43,18 @@ export class TranscriptView {
       return;
     }
     this.results.push(result);
-    const tokens = text.split(/\s+/);
+    const sep = unspaced(result) ? "" : " ";
     const words = (result.words ?? []).filter((w) => String(w.word ?? "").trim());
+    const tokens = sep ? text.split(/\s+/) : words.map((w) => String(w.word).trim());
+    const fits = sep ? words.length === tokens.length
+      : tokens.join("") === text.split(/\s+/).join("");
     const segment = document.createElement("span");
     segment.className = "segment";
     const engine = result.engine ? ` · ${result.engine}` : "";
     segment.title = `${seconds(result.start)} – ${seconds(result.end)}${engine}`;
     if (result.engine) segment.dataset.engine = result.engine;
-    if (words.length === tokens.length) {
+    if (result.language) segment.lang = result.language;
+    if (fits) {
       // the final's words, each with its time and confidence
       tokens.forEach((token, i) => {
         const w = words[i];
@@ -55,12 +65,15 @@ export class TranscriptView {
         span.title = `${token}: ${seconds(w.start)}–${seconds(w.end)}, confidence ${confidence}`;
         span.dataset.detail = `${seconds(w.start)} · ${confidence}`;
         span.textContent = token;
-        segment.append(i ? " " : "", span);
+        segment.append(i ? sep : "", span);
       });
     } else {
       segment.textContent = text;
     }
-    if (this.finals.childElementCount) this.finals.append(" ");
+    const before = this.results[this.results.length - 2];
+    if (this.finals.childElementCount && !(unspaced(before) && unspaced(result))) {
+      this.finals.append(" ");
+    }
     this.finals.append(segment);
     this.update();
   }
@@ -75,7 +88,10 @@ export class TranscriptView {
 
   /** The transcript as the page shows it (the engine tags are the stylesheet's). */
   text() {
-    return this.results.map((r) => r.text.trim()).join(" ");
+    return this.results.reduce((out, r, i) => {
+      const glue = i && !(unspaced(this.results[i - 1]) && unspaced(r)) ? " " : "";
+      return out + glue + r.text.trim();
+    }, "");
   }
 
   update() {

@@ -22,7 +22,7 @@ import pytest
 import redis
 from playwright.sync_api import ConsoleMessage, Page, ViewportSize, expect, sync_playwright
 
-from cosyvoice import keys, tokens
+from cosyvoice import keys, script, tokens
 from cosyvoice.client import StreamingClient, transcribe_pcm
 from cosyvoice.embedded_redis import free_port
 from cosyvoice.settings import Settings
@@ -31,13 +31,17 @@ from .. import launcher
 from ..helpers import (
     FIXTURES,
     TEST_ENV,
+    cer,
     corpus_wer,
     fixture_texts,
+    han,
     harvard_texts,
+    joined,
     phase_bound,
     read_pcm,
     wer,
     write_pcm_wav,
+    zh_texts,
 )
 from ..netfault import CuttableProxy
 from ..netlink import slow_link
@@ -548,3 +552,39 @@ def test_a_server_with_several_modes_lets_the_page_choose_before_start(artifacts
                 observed.assert_stayed_local()
         finally:
             launcher.stop(gateway.proc)
+
+
+def test_mandarin_into_the_page_microphone_shows_simplified_text(service, artifacts, tmp_path):
+    """The page's language choice (Chinese, remembered over a reload), a Mandarin speaker
+    at the fake microphone: the transcript is Chinese, in Simplified characters, without
+    spaces between the sentences."""
+    names = ["zh/zh01", "zh/zh06"]
+    wav = tmp_path / "zh.wav"
+    duration = padded_wav(joined(names), wav)
+    with browser_page({"width": 900, "height": 760}, wav) as (page, observed):
+        page.goto(service.url + "/")
+        choice = page.get_by_label("Language")
+        expect(choice).to_be_visible()
+        assert choice.locator("option").first.get_attribute("value") == "auto"
+        choice.select_option("zh")
+        page.reload()
+        expect(page.get_by_label("Language")).to_have_value("zh")  # remembered
+        expect(page.locator("#script-choice")).to_be_visible()
+        button = page.locator("#record")
+        page.get_by_role("button", name="Start").click()
+        expect(button).to_have_attribute("aria-pressed", "true")
+        started = time.monotonic()
+        wait_until_played(started, duration)
+        page.get_by_role("button", name="Stop").click()
+        expect(button).to_have_text("Start", timeout=30_000)
+        page.screenshot(path=str(artifacts / "browser-mandarin.png"), full_page=True)
+        text = page.locator("#finals").inner_text()
+        seen = page.evaluate("window.__seen")
+    print(f"Mandarin on the page: {text!r}")
+    reference = "".join(zh_texts()[n] for n in names)
+    assert han(text) and cer([reference], [text]) <= 0.15, text
+    assert script.convert(text, "hans") == text, text  # no Traditional character
+    assert " " not in text.strip(), text
+    assert any(kind == "partial" and han(t) for kind, t in seen), seen
+    assert observed.console_errors == []
+    observed.assert_stayed_local()

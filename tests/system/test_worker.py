@@ -180,8 +180,8 @@ class ExplodingModel:
     def start_stage(self, process=True):
         return None
 
-    def stream(self, sample_rate, checkpoint=None, mode=None):
-        real = self.real.stream(sample_rate, checkpoint, mode=mode)
+    def stream(self, sample_rate, checkpoint=None, mode=None, language=None):
+        real = self.real.stream(sample_rate, checkpoint, mode=mode, language=language)
         model = self
 
         class Stream:

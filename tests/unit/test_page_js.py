@@ -87,6 +87,17 @@ def test_the_pages_subtitles_are_the_command_lines():
         {"text": long, "start": 2.0, "end": 21.3, "words": []},
         {"text": "An hour later, the second one.", "start": 3725.123, "end": 3727.9,
          "words": []},
+        # Mandarin: words a character or two each, joined without spaces, 16 to a line;
+        # then a formatted final whose words no longer spell it: its characters are
+        {"text": "北京是中国的首都，今天天气很好，我们去公园散步吧，请问火车站怎么走？",
+         "start": 3730.0, "end": 3736.0, "language": "zh",
+         "words": [{"word": w, "start": 3730.0 + 0.2 * k, "end": 3730.15 + 0.2 * k,
+                    "conf": 0.9} for k, w in enumerate(
+                        ["北京", "是", "中国", "的", "首都，", "今天", "天气", "很好，", "我们",
+                         "去", "公园", "散步", "吧，", "请问", "火车站", "怎么", "走？"])]},
+        {"text": "这件衣服一共¥350。", "start": 3737.0, "end": 3739.0, "language": "zh",
+         "words": [{"word": w, "start": 3737.0 + 0.2 * k, "end": 3737.15 + 0.2 * k,
+                    "conf": 0.9} for k, w in enumerate(["这件", "衣服", "一共", "三百五十元。"])]},
     ]
     script = """
         import { toSrt, toText, toVtt } from "./cosyvoice/static/subtitles.mjs";
@@ -100,3 +111,7 @@ def test_the_pages_subtitles_are_the_command_lines():
     assert text == subtitles.to_text(finals)
     assert srt == subtitles.to_srt(finals) and "01:02:05,123 --> " in srt
     assert vtt == subtitles.to_vtt(finals)
+    cjk = [c for c in subtitles.cues(finals) if c.start_ms >= 3730000]
+    assert all(len(line) <= subtitles.UNSPACED_LINE_CHARS for c in cjk for line in c.lines)
+    assert "".join("".join(c.lines) for c in cjk) == "".join(str(f["text"]) for f in finals[-2:])
+    assert vtt.startswith("WEBVTT\nLanguage: zh\n\n")

@@ -41,7 +41,8 @@ class Recorder:
         return Decoded(job.result["name"])
 
     def prepare(self, job: DecodeJob):
-        return SimpleNamespace(window=job.result.get("window", 10.0))
+        window = job.result.get("window", 10.0)
+        return SimpleNamespace(window=window, group=("tiny.en", window))
 
     def partials(self, jobs: list[DecodeJob], between):
         self.started.set()
@@ -378,3 +379,39 @@ def test_admission_settles_where_a_queueing_scheduler_meets_its_target():
     tail = seen[-100:]
     assert set(tail) <= {best, best + 1}  # never below the best
     assert tail.count(best + 1) <= 2  # a probe at 9 every 40, then 80, then 160 renewals
+
+
+@pytest.mark.fast
+def test_admission_counts_real_time_sessions_by_the_audio_fed():
+    """One file sent three times as fast as it plays keeps the scheduler as busy as three
+    microphones: it is three real-time sessions' worth, not one expensive session, and a
+    process that served it does not keep a capacity of one once it is idle."""
+    from cosyvoice.asr.admission import Admission
+    adm = Admission(start=6, ceiling=12, targets=targets(busy=0.6))
+    for _ in range(10):
+        adm.update(1, 0.27, [0.1] * W, [0.4] * W, realtime=3.0)
+    assert adm.cost == pytest.approx(0.09) and adm.fit() == 6 and adm.capacity == 6
+    counted_by_sessions = Admission(start=6, ceiling=12, targets=targets(busy=0.6))
+    for _ in range(10):
+        counted_by_sessions.update(1, 0.27, [0.1] * W, [0.4] * W)
+    assert counted_by_sessions.capacity == 2  # what counting sessions made of it
+    # sessions that send nothing say nothing about the cost
+    quiet = Admission(start=6, ceiling=12, targets=targets(busy=0.6))
+    for _ in range(10):
+        quiet.update(2, 0.0, [], [], realtime=0.0)
+    assert quiet.cost is None and quiet.capacity == 6
+
+
+@pytest.mark.fast
+def test_admission_leaves_out_the_waits_of_a_backlog_caught_up():
+    """One session replaying its backlog at five times real time queues its own finals:
+    that is no reason to admit fewer microphones. The same waits from five real-time
+    sessions are."""
+    from cosyvoice.asr.admission import Admission
+    backlog = Admission(start=6, ceiling=12, targets=targets(final_s=0.3))
+    for _ in range(3):
+        backlog.update(1, 0.5, [0.9] * W, [0.4] * W, realtime=5.0)
+    assert backlog.capacity == 6 and not backlog.finals
+    loaded = Admission(start=6, ceiling=12, targets=targets(final_s=0.3))
+    loaded.update(5, 0.5, [0.9] * W, [0.4] * W, realtime=5.0)
+    assert loaded.capacity == 4 and loaded.reason == "over target"
