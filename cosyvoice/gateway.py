@@ -41,6 +41,8 @@ from .relay import ChunkWriter, ResultRelay
 from .settings import Settings
 
 log = logging.getLogger("cosyvoice.gateway")
+# The session settings the gateway stores in its hash for the worker (cosyvoice/stages.py)
+SESSION_OPTIONS = ("language", "script", "format")
 
 
 def current_socket_id() -> str:
@@ -326,8 +328,7 @@ class Gateway:
                           bucket=self._bucket(), next_seq=int(info.get("next_seq", 0)),
                           created=int(info.get("created_ms", 0)) / 1000 or time.time(),
                           mode=info.get("mode", self.modes[0]),
-                          options={k: info[k] for k in ("language", "script", "format")
-                                   if k in info})
+                          options={k: info[k] for k in SESSION_OPTIONS if k in info})
         self.bus.hold_client_slot(conn.client, conn.session,
                                   self.settings.max_session_s + self.settings.session_grace_s)
         self.relay.subscribe(conn.session, SocketIOOutput(self.socketio, socket_id),

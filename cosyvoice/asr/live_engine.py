@@ -96,6 +96,12 @@ EARLY_ENGLISH_PROB = 0.9
 MULTILINGUAL = "multilingual"  # the multilingual decoder's name (its clips' owner)
 
 
+def prompt_in(prompt: str, prompt_language: str, language: str) -> str:
+    """The session's finals so far (``prompt``, in ``prompt_language``; "" before any) as
+    the prompt of a decode in ``language``: none across a change of language."""
+    return prompt if prompt_language in ("", language) else ""
+
+
 def multilingual_dir(settings: Settings):
     """The multilingual model's CTranslate2 directory: ``multilingual_model``, else the
     packaged Whisper base (joined and verified once, cosyvoice/asr/model_data.py)."""
@@ -224,21 +230,18 @@ class LiveModel:
         if lang == ENGLISH:
             out = self._final_in(job, ENGLISH)
         else:
-            out = self.multi.transcribe(clip, encoded, self._prompt(st, lang), lang,
+            out = self.multi.transcribe(clip, encoded,
+                                        prompt_in(st.prompt, st.prompt_language, lang), lang,
                                         self.settings.live_beam_size, words=True)
         out.language_prob = prob
         return out
 
     def _final_in(self, job: DecodeJob, language: str) -> Decoded:
+        st = job.state
         decoder = self.decoder if language == ENGLISH else self.multi
-        return decoder.decode(job.pcm, self._prompt(job.state, language),
+        return decoder.decode(job.pcm, prompt_in(st.prompt, st.prompt_language, language),
                               beam_size=self.settings.live_beam_size, words=True,
                               language=language)
-
-    @staticmethod
-    def _prompt(st: StreamState, language: str) -> str:
-        """The session's finals so far as a prompt, if they are in ``language``."""
-        return st.prompt if st.prompt_language in ("", language) else ""
 
     def _route(self, st: StreamState) -> tuple[TinyWhisper, str]:
         """The model and language of a partial ("": detected on its own clip, as in an
@@ -253,7 +256,6 @@ class LiveModel:
     def _decode_partial(self, job: DecodeJob) -> Decoded:
         """One partial, decoded here: the scheduler's batch path with a batch of one."""
         job.clip = self._prepare(job)
-        job.prompt = job.state.prompt
         return self._decode_partials([job], None)[0]
 
     def _prepare(self, job: DecodeJob):
@@ -264,8 +266,7 @@ class LiveModel:
 
     def _decode_partials(self, jobs: list[DecodeJob], between) -> list[Decoded]:
         decoder = self.decoders[jobs[0].clip.owner]
-        prompts = [j.prompt if j.state.prompt_language in ("", j.language) else ""
-                   for j in jobs]
+        prompts = [prompt_in(j.prompt, j.state.prompt_language, j.language) for j in jobs]
         return decoder.decode_partials([j.clip for j in jobs], prompts, between,
                                        [j.language for j in jobs])
 
@@ -308,8 +309,8 @@ def _finish_final(job: DecodeJob, decoded: Decoded) -> None:
             prob = st.detected[1]  # detected on this utterance's partial
         if prob is not None:
             r["language_prob"] = prob
-        same = st.prompt_language in ("", decoded.language)
-        st.prompt = next_prompt(st.prompt if same else "", decoded.text)
+        st.prompt = next_prompt(prompt_in(st.prompt, st.prompt_language, decoded.language),
+                                decoded.text)
         st.prompt_language = decoded.language
         st.utterance += 1
     else:

@@ -53,7 +53,7 @@ class StreamState:
     # in now ("" until one is detected) and the one its prompt is in
     language: str = "en"
     current: str = "en"
-    prompt_language: str = "en"
+    prompt_language: str = ""
     # the open utterance's language detection, where a partial made one: (utterance, prob)
     detected: tuple[int, float] | None = None
     finals_in_flight: int = 0  # finals handed over and not decoded yet (scheduler lock)

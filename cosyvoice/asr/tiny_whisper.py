@@ -181,17 +181,12 @@ class TinyWhisper:
                floor_s: float = WINDOW_FLOOR_S, fallback: bool = True,
                language: str = "en") -> Decoded:
         """Decode 16 kHz 16-bit PCM (at most ``FULL_WINDOW_S`` less padding) after the text
-        ``prompt``, in ``language`` ("": the language the model detects in the clip);
-        ``words`` adds each word's times and probability. ``floor_s``: the shortest
-        encoder window; a degenerate result is decoded again in the full window
-        (``fallback``) or gives no text."""
+        ``prompt``, in ``language``; ``words`` adds each word's times and probability.
+        ``floor_s``: the shortest encoder window; a degenerate result is decoded again in
+        the full window (``fallback``) or gives no text. (``encode_clip``, ``detect`` and
+        ``transcribe`` are its steps, for a caller that detects the language first.)"""
         clip, encoded = self.encode_clip(pcm, floor_s)
-        prob = None
-        if not language:
-            language, prob = self.detect(encoded)[0]
-        out = self.transcribe(clip, encoded, prompt, language, beam_size, words, fallback)
-        out.language_prob = prob
-        return out
+        return self.transcribe(clip, encoded, prompt, language, beam_size, words, fallback)
 
     def encode_clip(self, pcm: bytes, floor_s: float = WINDOW_FLOOR_S) -> tuple["Clip", Any]:
         """A clip and its encoder output (what ``detect`` and ``transcribe`` take)."""

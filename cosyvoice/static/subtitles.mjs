@@ -21,24 +21,38 @@ function hasText(final) {
   return Boolean((final.text ?? "").trim());
 }
 
+/** Whether a result is in a language written without spaces between words. */
+export function unspaced(result) {
+  return UNSPACED.has(result?.language ?? "");
+}
+
 function separator(final) {
-  return UNSPACED.has(final.language ?? "") ? "" : " ";
+  return unspaced(final) ? "" : " ";
+}
+
+/** What goes between two finals of a transcript: a space, except between two in
+ * languages written without spaces (cosyvoice/languages.py join_texts). */
+export function joiner(before, after) {
+  return unspaced(before) && unspaced(after) ? "" : " ";
+}
+
+/** A final's words as the page and the files show them: `sep` between them, its
+ * `tokens`, its timed `words`, and whether those words spell the tokens (`fits`); in a
+ * language written without spaces whose words no longer spell its text (a formatted
+ * final), its characters are the tokens. */
+export function wordsOf(final) {
+  const sep = separator(final);
+  const words = (final.words ?? []).filter((w) => String(w.word ?? "").trim());
+  const spelled = final.text.split(/\s+/).filter(Boolean);
+  if (sep) return { sep, tokens: spelled, words, fits: words.length === spelled.length };
+  const tokens = words.map((w) => String(w.word).trim());
+  const chars = spelled.join("");
+  if (tokens.join("") === chars) return { sep, tokens, words, fits: true };
+  return { sep, tokens: Array.from(chars), words, fits: false };
 }
 
 function timedWords(final) {
-  const sep = separator(final);
-  const words = (final.words ?? []).filter((w) => String(w.word ?? "").trim());
-  let tokens;
-  let fits;
-  if (sep) {
-    tokens = final.text.split(/\s+/).filter(Boolean);
-    fits = words.length === tokens.length;
-  } else {
-    tokens = words.map((w) => String(w.word).trim());
-    const spelled = final.text.split(/\s+/).join("");
-    fits = tokens.join("") === spelled;
-    if (!fits) tokens = Array.from(spelled);
-  }
+  const { sep, tokens, words, fits } = wordsOf(final);
   if (fits) {
     return tokens.map((tok, i) => [tok, Number(words[i].start), Number(words[i].end)]);
   }

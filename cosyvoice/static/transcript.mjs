@@ -3,13 +3,9 @@
 // produced each final. The finals are kept for the downloads (subtitles.mjs): the page
 // shows each final's own text, so a downloaded file says what the page says.
 
-const LOW_CONFIDENCE = 0.5;
-// cosyvoice/languages.py UNSPACED: languages written without spaces between words
-const UNSPACED = new Set(["zh", "ja", "th", "lo", "my"]);
+import { joiner, wordsOf } from "./subtitles.mjs";
 
-function unspaced(result) {
-  return UNSPACED.has(result?.language ?? "");
-}
+const LOW_CONFIDENCE = 0.5;
 
 function seconds(t) {
   return `${t.toFixed(2)} s`;
@@ -43,11 +39,7 @@ export class TranscriptView {
       return;
     }
     this.results.push(result);
-    const sep = unspaced(result) ? "" : " ";
-    const words = (result.words ?? []).filter((w) => String(w.word ?? "").trim());
-    const tokens = sep ? text.split(/\s+/) : words.map((w) => String(w.word).trim());
-    const fits = sep ? words.length === tokens.length
-      : tokens.join("") === text.split(/\s+/).join("");
+    const { sep, tokens, words, fits } = wordsOf({ ...result, text });
     const segment = document.createElement("span");
     segment.className = "segment";
     const engine = result.engine ? ` · ${result.engine}` : "";
@@ -70,10 +62,8 @@ export class TranscriptView {
     } else {
       segment.textContent = text;
     }
-    const before = this.results[this.results.length - 2];
-    if (this.finals.childElementCount && !(unspaced(before) && unspaced(result))) {
-      this.finals.append(" ");
-    }
+    const glue = joiner(this.results[this.results.length - 2], result);
+    if (this.finals.childElementCount && glue) this.finals.append(glue);
     this.finals.append(segment);
     this.update();
   }
@@ -88,10 +78,8 @@ export class TranscriptView {
 
   /** The transcript as the page shows it (the engine tags are the stylesheet's). */
   text() {
-    return this.results.reduce((out, r, i) => {
-      const glue = i && !(unspaced(this.results[i - 1]) && unspaced(r)) ? " " : "";
-      return out + glue + r.text.trim();
-    }, "");
+    return this.results.reduce(
+      (out, r, i) => out + (i ? joiner(this.results[i - 1], r) : "") + r.text.trim(), "");
   }
 
   update() {
