@@ -25,7 +25,7 @@ fixtures (tests/fixtures/sentences.tsv, festival's slt voice), Mandarin the zh f
     python benchmarks/languages.py [--workers 2] [--seconds 30]
         [--levels en=10,14,18 --levels zh=4,6,8 --levels mix=6,10,14] [--json-out F]
 
-About 11 minutes with the defaults on a 2-core machine; every run stays under 15 minutes.
+About 9 minutes with the defaults on a 2-core machine; every run stays under 15 minutes.
 """
 
 from __future__ import annotations
