@@ -19,7 +19,8 @@ fraction (added up), sessions refused, partial and final latency P50/P95 of the 
 admitted, the same P95s for the sessions admitted after the first 20 s (the steady state:
 a capacity learnt, not the one it started with) and whether final P95 < 800 ms and
 partial P95 < 1.5 s hold for them, and the schedulers' queue waits (P95 from the pool's
-``cosyvoice_decode_wait_seconds``).
+``cosyvoice_decode_wait_seconds``) and the finals' times from hand-over to text (P95 from
+``cosyvoice_decode_final_seconds``: the wait plus the decode).
 
     python benchmarks/admission.py [--offered 20] [--workers 2] [--seconds 60] [--hog 1]
         [--scenarios fixed,scheduler,fixed+hog,scheduler+hog] [--speech en|zh|mix]
@@ -106,30 +107,33 @@ def samples(metrics_url: str, family: str) -> list:
 
 
 def waits_p95(metrics_url: str) -> dict[str, float | None]:
-    """P95 (ms) of the schedulers' decode waits, from the pool's histogram (linear within
-    a bucket)."""
-    buckets: dict[str, list[tuple[float, float]]] = {"final": [], "partial": []}
+    """P95 (ms) of the schedulers' decode waits by kind, and of the finals' times from
+    hand-over to text (``done``), from the pool's histograms (linear within a bucket)."""
+    buckets: dict[str, list[tuple[float, float]]] = {"final": [], "partial": [], "done": []}
     for s in samples(metrics_url, "cosyvoice_decode_wait_seconds"):
         if s.name.endswith("_bucket") and s.labels.get("kind") in buckets:
             buckets[s.labels["kind"]].append((float(s.labels["le"]), s.value))
-    out: dict[str, float | None] = {}
-    for kind, rows in buckets.items():
-        rows.sort()
-        total = rows[-1][1] if rows else 0
-        if not total:
-            out[kind] = None
-            continue
-        want, low, below = 0.95 * total, 0.0, 0.0
-        for le, count in rows:
-            if count >= want:
-                if math.isinf(le):
-                    out[kind] = round(low * 1000)
-                else:
-                    share = (want - below) / (count - below) if count > below else 1.0
-                    out[kind] = round((low + share * (le - low)) * 1000)
-                break
-            low, below = le, count
-    return out
+    for s in samples(metrics_url, "cosyvoice_decode_final_seconds"):
+        if s.name.endswith("_bucket"):
+            buckets["done"].append((float(s.labels["le"]), s.value))
+    return {kind: histogram_p95(rows) for kind, rows in buckets.items()}
+
+
+def histogram_p95(rows: list[tuple[float, float]]) -> float | None:
+    """P95 (ms) of a histogram's cumulative (upper bound, count) rows."""
+    rows.sort()
+    total = rows[-1][1] if rows else 0
+    if not total:
+        return None
+    want, low, below = 0.95 * total, 0.0, 0.0
+    for le, count in rows:
+        if count >= want:
+            if math.isinf(le):
+                return round(low * 1000)
+            share = (want - below) / (count - below) if count > below else 1.0
+            return round((low + share * (le - low)) * 1000)
+        low, below = le, count
+    return None
 
 
 def busy_now(metrics_url: str) -> float:
@@ -236,11 +240,12 @@ def main() -> None:
         ["scenario", "decoding (mean)", "capacity mean [min, max]", "schedulers busy",
          "refusals", "partial P50 / P95 ms", "final P50 / P95 ms",
          "steady partial / final P95 ms", "queue wait P95 final / partial ms",
-         "meets (steady)"],
+         "final hand-over to text P95 ms", "meets (steady)"],
         ([r["scenario"], r["decoding_mean"], f"{r['capacity_mean']} {r['capacity_min_max']}",
           r["busy_mean"], r["refusals"], pair(r["partial_ms"]), pair(r["final_ms"]),
           f"{r['steady_partial_ms'].get('p95')} / {r['steady_final_ms'].get('p95')}",
           pair(r["scheduler_wait_p95_ms"], "final", "partial"),
+          r["scheduler_wait_p95_ms"].get("done"),
           "yes" if r["meets"] else "no"] for r in report["scenarios"])))
     if args.json_out:
         save_json(args.json_out, report, indent=1)

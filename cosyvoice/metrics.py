@@ -80,6 +80,12 @@ DECODE_WAIT = Histogram(
     "(kind: final, or partial, timed from the session's oldest waiting partial)", ["kind"],
     buckets=(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0,
              3.0, 5.0, 10.0))
+DECODE_FINAL = Histogram(
+    "cosyvoice_decode_final_seconds",
+    "whisper-live decode scheduler: from a final's hand-over to its text (its queue wait "
+    "plus its decode)",
+    buckets=(0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.75, 1.0, 1.5, 2.0,
+             3.0, 5.0, 10.0))
 DECODE_BUSY = Gauge(
     "cosyvoice_decode_busy_ratio",
     "whisper-live decode schedulers: fraction of the time decoding, added up over the "
@@ -100,7 +106,8 @@ REDIS_REDIRECTIONS = Counter(
 GATEWAY_METRICS = (SESSIONS_ACTIVE, CHUNKS_ACCEPTED, CHUNKS_REJECTED, ACK_SECONDS, AUDIO_BYTES,
                    AUDIO_SECONDS, ABR_SWITCHES, ABR_RUNG_SECONDS, ABR_QUEUE_DELAY, REDIS_ERRORS,
                    REDIS_REDIRECTIONS)
-WORKER_METRICS = (DECODE_LAG, WORKER_SESSIONS, WORKER_CAPACITY, DECODE_WAIT, DECODE_BUSY,
+WORKER_METRICS = (DECODE_LAG, WORKER_SESSIONS, WORKER_CAPACITY, DECODE_WAIT, DECODE_FINAL,
+                  DECODE_BUSY,
                   OPUS_UNDECODABLE, REDIS_ERRORS, REDIS_REDIRECTIONS)
 
 for _code in ERROR_CODES:
@@ -160,6 +167,8 @@ def scheduler_load(load) -> None:
     for kind, waits in (("final", load.final_waits), ("partial", load.partial_waits)):
         for wait in waits:
             DECODE_WAIT.labels(kind).observe(wait)
+    for took in load.final_times:
+        DECODE_FINAL.observe(took)
 
 
 class _Only:

@@ -101,9 +101,12 @@ class Settings:
     # docs/engines.md "Admission"): it admits no new session while the P95 of its finals'
     # waits in the decode queue (hand-over to the start of the decode) is over
     # final_wait_target_ms or that of its sessions' waits for a partial decode over
-    # partial_wait_target_ms, and otherwise fills up to the sessions that keep the
-    # scheduler busy decode_busy_target of the time.
+    # partial_wait_target_ms, or that of its finals' times from hand-over to text (the wait
+    # plus the decode: a multilingual model's final decodes longer) over final_target_ms
+    # (0: not judged), and otherwise fills up to the sessions that keep the scheduler busy
+    # decode_busy_target of the time.
     final_wait_target_ms: int = 300
+    final_target_ms: int = 400
     partial_wait_target_ms: int = 400
     decode_busy_target: float = 0.6
     # 2pass engine: where the partials (and endpoints) of the "2pass" and "whisper" modes
@@ -329,6 +332,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
                             "int16", "float16", "bfloat16", "float32"),
     "decode_batch": _at_least(0),
     "final_wait_target_ms": _at_least(1),
+    "final_target_ms": _at_least(0),
     "partial_wait_target_ms": _at_least(1),
     "decode_busy_target": ((lambda v: 0 < v <= 1), "a fraction above 0, at most 1"),
     "twopass_partials": _one_of("pocketsphinx", "whisper-live"),

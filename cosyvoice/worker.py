@@ -115,7 +115,8 @@ class Worker:
             Admission(self.capacity, ADMISSION_CEILING * self.capacity,
                       Targets(settings.final_wait_target_ms / 1000,
                               settings.partial_wait_target_ms / 1000,
-                              settings.decode_busy_target))
+                              settings.decode_busy_target,
+                              settings.final_target_ms / 1000 or None))
             if spec.stage == "scheduler" and self.stage is not None
             and not settings.worker_capacity else None)
         # audio seconds fed to the streams since the scheduler's load was last sampled, and
@@ -252,7 +253,8 @@ class Worker:
             return
         before = self.capacity
         self.capacity = self.admission.update(len(self.sessions), load.busy,
-                                              load.final_waits, load.partial_waits, realtime)
+                                              load.final_waits, load.partial_waits, realtime,
+                                              load.final_times)
         if self.capacity != before:
             log.info("capacity %d -> %d (%s; %d sessions, busy %.2f a session)", before,
                      self.capacity, self.admission.reason, len(self.sessions),

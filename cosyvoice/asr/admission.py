@@ -8,9 +8,10 @@ whisper-live worker process instead reads its scheduler's load (``DecodeSchedule
 at every lease renewal and advertises the capacity this module computes from it:
 
 - **Over target, step down.** If the 95th percentile of the recent finals' queue waits
-  (hand-over to the start of their decode) is over ``final_wait_s``, or that of the
+  (hand-over to the start of their decode) is over ``final_wait_s``, that of the
   partials' (a session asking for a partial to its decode starting) over
-  ``partial_wait_s``, the capacity drops to one less than the sessions it decodes (at
+  ``partial_wait_s``, or that of the finals' times from hand-over to text (the wait plus
+  the decode) over ``final_s``, the capacity drops to one less than the sessions it decodes (at
   least 1). Nobody is shed: the process admits no new session until it is back within the
   targets, and its sessions end in their own time. That many sessions is not tried again
   for ``HOLD`` renewals, twice as long each time it is over target again.
@@ -31,8 +32,12 @@ at every lease renewal and advertises the capacity this module computes from it:
 - Between 1 and ``ceiling``; an idle process keeps the capacity it had (it starts with the
   engine's measured capacity). Every change starts a new window of waits.
 
-A wait in the queue, not a decode's length, is the signal: a long utterance's final takes
-longer to decode at any load, while the queue grows with the load alone.
+A wait in the queue is the first signal: it grows with the load alone. The final's time to
+its text is the second: where finals decode at different speeds (the multilingual model's
+take about twice as long as tiny.en's), the same wait means a later final, and judged by
+the wait alone a process full of Mandarin sessions settled over the final target. Under
+the encoder window's floor (15 s) a longer utterance's final costs little more: the
+encoder's pass, most of it, is the same.
 
 The targets are the scheduler's share of the service's latency targets (final P95 800 ms,
 partial P95 1.5 s end to end; the rest is the endpointer's silence, the front end and
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 WINDOW = 40  # recent waits of each kind the percentiles are taken over
@@ -62,6 +68,8 @@ class Targets:
     final_wait_s: float  # P95 of a final's wait in the queue (hand-over to its decode)
     partial_wait_s: float  # P95 of a session's wait for a partial decode to start
     busy: float  # the scheduler's busy fraction the fit aims at
+    # P95 of a final's time from hand-over to its text (wait plus decode); None: not judged
+    final_s: float | None = None
 
 
 def p95(values) -> float:
@@ -78,6 +86,7 @@ class Admission:
         self.targets = targets
         self.finals: deque[float] = deque(maxlen=WINDOW)
         self.partials: deque[float] = deque(maxlen=WINDOW)
+        self.final_times: deque[float] = deque(maxlen=WINDOW)
         # (busy, real-time sessions)
         self.loads: deque[tuple[float, float]] = deque(maxlen=COST_WINDOW)
         self.reason = "start"
@@ -88,7 +97,9 @@ class Admission:
     def over(self) -> bool:
         t = self.targets
         return ((len(self.finals) >= MIN_WAITS and p95(self.finals) > t.final_wait_s)
-                or (len(self.partials) >= MIN_WAITS and p95(self.partials) > t.partial_wait_s))
+                or (len(self.partials) >= MIN_WAITS and p95(self.partials) > t.partial_wait_s)
+                or (t.final_s is not None and len(self.final_times) >= MIN_WAITS
+                    and p95(self.final_times) > t.final_s))
 
     def measured(self) -> bool:
         """Enough finals at the current load to judge it (partials come several times as
@@ -113,22 +124,28 @@ class Admission:
         """A new capacity: the waits so far were of the old load."""
         if capacity != self.capacity:
             self.capacity, self.reason = capacity, reason
-            self.finals.clear()
-            self.partials.clear()
+            self._forget()
         return self.capacity
 
+    def _forget(self) -> None:
+        self.finals.clear()
+        self.partials.clear()
+        self.final_times.clear()
+
     def update(self, sessions: int, busy: float, final_waits: list[float],
-               partial_waits: list[float], realtime: float | None = None) -> int:
+               partial_waits: list[float], realtime: float | None = None,
+               final_times: Sequence[float] = ()) -> int:
         """The capacity after one sample: ``busy`` fraction of the time decoding, the
-        waits of the decodes done since the last sample, with ``sessions`` decoded and
-        ``realtime`` real-time sessions' worth of audio fed (None: ``sessions``)."""
+        waits of the decodes done since the last sample and the finals' times from
+        hand-over to text, with ``sessions`` decoded and ``realtime`` real-time sessions'
+        worth of audio fed (None: ``sessions``)."""
         if realtime is None or realtime <= BACKLOG_RATIO * sessions:
             self.finals.extend(final_waits)
             self.partials.extend(partial_waits)
+            self.final_times.extend(final_times)
         self.hold = max(0, self.hold - 1)
         if sessions == 0:
-            self.finals.clear()  # the next sessions' waits say what they cost
-            self.partials.clear()
+            self._forget()  # the next sessions' waits say what they cost
             return self.capacity
         self.loads.append((busy, sessions if realtime is None else realtime))
         if self.over():

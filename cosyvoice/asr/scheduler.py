@@ -88,12 +88,14 @@ class DecodeJob:
 @dataclass
 class Load:
     """What a scheduler did between two ``sample`` calls: the fraction of the wall time
-    it was decoding, and how long each final and each decoded partial waited in the queue,
-    from hand-over to the start of its decode (seconds; a decode's own length depends on
-    its audio, the wait on the load)."""
+    it was decoding, how long each final and each decoded partial waited in the queue,
+    from hand-over to the start of its decode (seconds), and how long each final took from
+    hand-over to its text (its wait plus its decode: what the final's latency gets from the
+    scheduler, a slower model's decode included)."""
     busy: float
     final_waits: list[float]
     partial_waits: list[float]
+    final_times: list[float] = field(default_factory=list)
 
 
 class Inline:
@@ -144,6 +146,7 @@ class DecodeScheduler:
         self._busy_s = 0.0
         self._sampled = time.monotonic()
         self._waits: dict[str, list[float]] = {"final": [], "partial": []}
+        self._final_times: list[float] = []
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
         self._thread.start()
 
@@ -186,9 +189,10 @@ class DecodeScheduler:
         with self._cond:
             busy_s, self._busy_s = self._busy_s, 0.0
             waits, self._waits = self._waits, {"final": [], "partial": []}
+            times, self._final_times = self._final_times, []
             wall, self._sampled = now - self._sampled, now
         return Load(min(1.0, busy_s / wall) if wall > 0 else 0.0,
-                    waits["final"], waits["partial"])
+                    waits["final"], waits["partial"], times)
 
     def _waited(self, job: DecodeJob, started: float) -> None:
         with self._cond:
@@ -279,6 +283,8 @@ class DecodeScheduler:
             job.done = True
             self.finals_decoded += 1
             self._waited(job, started)
+            with self._cond:
+                self._final_times.append(time.monotonic() - job.submitted)
         finally:
             with self._cond:
                 st.finals_in_flight -= 1

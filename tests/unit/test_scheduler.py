@@ -311,18 +311,22 @@ def test_the_scheduler_reports_its_busy_time_and_each_decodes_wait():
         sched.stop()
     assert b2.submitted == b1.submitted
     assert len(load.final_waits) == 1 and load.final_waits[0] >= 0.2
+    # the final's time from hand-over to text: its wait and its decode
+    assert len(load.final_times) == 1 and load.final_times[0] >= load.final_waits[0]
     assert len(load.partial_waits) == 2  # a1 and b2; b1 was never decoded
     assert max(load.partial_waits) >= 0.3  # b: from b1's hand-over to b2's decode
     assert 0.5 <= load.busy <= 1.0  # the gate held the thread busy for most of the sample
-    assert idle.final_waits == idle.partial_waits == [] and idle.busy < 0.5
+    assert idle.final_waits == idle.partial_waits == idle.final_times == []
+    assert idle.busy < 0.5
 
 
 W = 10  # waits a sample: enough to judge (admission.MIN_WAITS)
 
 
-def targets(final_s: float = 0.3, partial_s: float = 1.0, busy: float = 0.7):
+def targets(final_s: float = 0.3, partial_s: float = 1.0, busy: float = 0.7,
+            final_time_s: float | None = None):
     from cosyvoice.asr.admission import Targets
-    return Targets(final_s, partial_s, busy)
+    return Targets(final_s, partial_s, busy, final_time_s)
 
 
 @pytest.mark.fast
@@ -415,3 +419,51 @@ def test_admission_leaves_out_the_waits_of_a_backlog_caught_up():
     loaded = Admission(start=6, ceiling=12, targets=targets(final_s=0.3))
     loaded.update(5, 0.5, [0.9] * W, [0.4] * W, realtime=5.0)
     assert loaded.capacity == 4 and loaded.reason == "over target"
+
+
+@pytest.mark.fast
+def test_admission_counts_a_finals_decode_as_well_as_its_wait():
+    """A slower model's finals (the multilingual model's take about twice tiny.en's) reach
+    their text later at the same queue wait: the final's time from hand-over to text is
+    judged too, so a process serving them admits fewer sessions."""
+    from cosyvoice.asr.admission import Admission
+    quick = Admission(start=6, ceiling=12, targets=targets(final_s=0.3, final_time_s=0.45))
+    quick.update(6, 0.5, [0.2] * W, [0.4] * W, final_times=[0.3] * W)
+    assert quick.capacity == 6  # wait 0.2 + decode 0.1: within both targets
+    slow = Admission(start=6, ceiling=12, targets=targets(final_s=0.3, final_time_s=0.45))
+    slow.update(6, 0.5, [0.2] * W, [0.4] * W, final_times=[0.5] * W)
+    assert slow.capacity == 5 and slow.reason == "over target"  # the same wait, decoded longer
+    unjudged = Admission(start=6, ceiling=12, targets=targets(final_s=0.3))
+    unjudged.update(6, 0.5, [0.2] * W, [0.4] * W, final_times=[0.5] * W)
+    assert unjudged.capacity == 6  # no final-time target: the wait alone
+    # a new capacity starts a new window of final times, as of waits
+    assert not slow.final_times
+
+
+@pytest.mark.fast
+def test_admission_settles_lower_where_each_final_decodes_longer():
+    """Two M/M/1 schedulers, one decoding finals twice as long at 1.5 times the cost a
+    session (the multilingual model against tiny.en): with the final-time target, each
+    settles at the most sessions whose wait plus decode stays within it."""
+    from cosyvoice.asr.admission import Admission
+
+    def settle(service_s: float, cost: float) -> tuple[int, list[int]]:
+        def wait(n: int) -> float:
+            return service_s / (1 - min(0.99, n * cost))
+
+        best = max(n for n in range(1, 12)
+                   if wait(n) <= 0.3 and wait(n) + service_s <= 0.45)
+        adm = Admission(start=2, ceiling=20,
+                        targets=targets(final_s=0.3, busy=0.95, final_time_s=0.45))
+        seen = []
+        for _ in range(200):
+            n = adm.capacity
+            seen.append(adm.update(n, min(1.0, n * cost), [wait(n)] * W, [0.5] * W,
+                                   final_times=[wait(n) + service_s] * W))
+        return best, seen[-100:]
+
+    tiny_best, tiny_tail = settle(0.08, 0.09)
+    base_best, base_tail = settle(0.16, 0.135)
+    assert base_best < tiny_best
+    for best, tail in ((tiny_best, tiny_tail), (base_best, base_tail)):
+        assert set(tail) <= {best, best + 1} and tail.count(best + 1) <= 2
