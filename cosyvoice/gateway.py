@@ -34,7 +34,7 @@ from .errors import (
 )
 from .languages import HANS
 from .limits import ConnectRequest, TokenBucket, parse_auth
-from .outputs import SocketIOOutput
+from .outputs import Output, SocketIOOutput
 from .protocol import CHUNK_MS, NAMESPACE, SUPPORTED_RATES, Chunk, decode_chunk
 from .registry import ENGINES
 from .relay import ChunkWriter, ResultRelay
@@ -195,7 +195,7 @@ class Gateway:
             conn = self._resume(req, socket_id, notices) if req.session else None
             resumed = conn is not None
             if conn is None:
-                conn = self._open(req, socket_id)
+                conn = self.open_session(req, socket_id)
             conn.codec, conn.bitrate = self._codec(req)
             if req.abr and self.settings.abr:
                 self._start_abr(conn, req)
@@ -271,7 +271,12 @@ class Gateway:
             except redis.RedisError as exc:
                 log.warning("replay of %s failed: %s", conn.session, exc)
 
-    def _open(self, req: ConnectRequest, socket_id: str) -> Connection:
+    def open_session(self, req: ConnectRequest, conn_id: str,
+                     output: Output | None = None) -> Connection:
+        """Open and admit a session for connection ``conn_id`` (in a Flask request: the
+        client address is the request's) whose results go to ``output`` (None: the
+        Socket.IO connection ``conn_id``). Raises ``RateLimited``, ``Overloaded`` or a
+        ``redis.RedisError``; nothing of the session is left then."""
         rate = req.sample_rate or self.settings.default_sample_rate
         mode = req.mode or self.modes[0]
         options = {"language": req.language or self.languages[0], "script": req.script or HANS,
@@ -284,7 +289,7 @@ class Gateway:
             raise RateLimited(f"this address already holds "
                               f"{self.settings.max_sessions_per_client} sessions")
         try:
-            self.bus.create_session(session, rate, conn=socket_id, client=client, mode=mode,
+            self.bus.create_session(session, rate, conn=conn_id, client=client, mode=mode,
                                     options=options)
             admission = self.bus.admit(session)
         except redis.RedisError:
@@ -297,13 +302,13 @@ class Gateway:
         # No result can come before the client's first chunk, which needs the session
         # event that follows this handler.
         try:
-            self.relay.subscribe(session, SocketIOOutput(self.socketio, socket_id))
+            self.relay.subscribe(session, output or SocketIOOutput(self.socketio, conn_id))
         except redis.RedisError:
             self.relay.unsubscribe(session)
             self._discard(session, client)
             raise
         log.info("session opened", extra={"session": session, "event": "connect"})
-        return Connection(session=session, rate=rate, conn_id=socket_id, client=client,
+        return Connection(session=session, rate=rate, conn_id=conn_id, client=client,
                           bucket=self._bucket(), mode=mode, options=options)
 
     def _discard(self, session: str, client: str) -> None:
@@ -368,7 +373,7 @@ class Gateway:
                                  self.settings.accepted_codecs)
             self._check_limits(conn, chunk)
             conn.rate = chunk.sample_rate
-            ack = self._store(conn, chunk, data)
+            ack = self.store(conn, chunk, data)
             if "duplicate" not in ack:
                 metrics.count_audio(chunk.codec, len(data), chunk.duration_s)
                 self._judge(conn, chunk, len(data), arrival_s, socket_id)
@@ -389,7 +394,8 @@ class Gateway:
         if time.time() - conn.created > self.settings.max_session_s:
             raise SessionExpired("the session reached its maximum length", seq=chunk.seq)
 
-    def _store(self, conn: Connection, chunk: Chunk, pb: bytes) -> dict:
+    def store(self, conn: Connection, chunk: Chunk, pb: bytes) -> dict:
+        """Append a validated chunk to the session's stream: its ack, or the error."""
         try:
             reply = self.writer.append(conn.session, chunk, bytes(pb))
         except gevent.Timeout as exc:
@@ -406,9 +412,7 @@ class Gateway:
             return {"stopped": False}
         conn.stopped = True
         try:
-            self.relay.unsubscribe(conn.session, current_socket_id())
-            self.bus.delete_session(conn.session)
-            self.bus.release_client_slot(conn.client, conn.session)
+            self.close_session(conn, current_socket_id())
         except redis.RedisError as exc:
             conn.stopped = False
             metrics.REDIS_ERRORS.inc()
@@ -417,6 +421,14 @@ class Gateway:
             return {"stopped": False}
         log.info("session stopped", extra={"session": conn.session, "event": "stop"})
         return {"stopped": True, "session": conn.session}
+
+    def close_session(self, conn: Connection, output_id: str) -> None:
+        """The session is over for its client: its results stop, its keys and client
+        slot go (raises ``redis.RedisError``)."""
+        conn.stopped = True
+        self.relay.unsubscribe(conn.session, output_id)
+        self.bus.delete_session(conn.session)
+        self.bus.release_client_slot(conn.client, conn.session)
 
     def on_unknown_event(self, event, *args):
         self._emit_error(BadChunk(f"unknown event {str(event)[:64]!r}"))

@@ -200,6 +200,9 @@ class Settings:
     sweep_idle_s: float = 300.0
     # How long a client told `overloaded` should wait before it tries again.
     overload_retry_ms: int = 2000
+    # The largest upload POST /v1/audio/transcriptions takes (OpenAI's limit: 25 MB);
+    # larger ones are answered 413 (docs/openai.md).
+    max_upload_mb: int = 25
     # Logging level of every process.
     log_level: str = "INFO"
 
@@ -363,6 +366,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "trusted_proxies": _at_least(0),
     "sweep_idle_s": _more_than(0),
     "overload_retry_ms": _at_least(0),
+    "max_upload_mb": _at_least(1),
     "log_level": (is_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
 }
 

@@ -33,8 +33,8 @@ CONTENT_SECURITY_POLICY = (
     "base-uri 'self'; form-action 'self'; frame-ancestors 'none'")
 # The faces beside Socket.IO, as "module:function": each function is called with the app
 # and the gateway (its sessions, admission, limits, relay and metrics) and adds its
-# routes. The next faces (OpenAI's and Deepgram's) are one line each here.
-FACES: tuple[str, ...] = ()
+# routes: OpenAI's transcription API (docs/openai.md).
+FACES: tuple[str, ...] = ("cosyvoice.openai_api:install",)
 
 
 def install_faces(app: Flask, gateway: Gateway, faces: Sequence[str]) -> None:

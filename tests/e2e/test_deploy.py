@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import ssl
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from cosyvoice.embedded_redis import EmbeddedRedis
 from cosyvoice.protocol import encode_chunk
 
 from .. import launcher
-from ..helpers import ROOT, TEST_ENV, direct_decode, fixture_texts, read_pcm, wer
+from ..helpers import FIXTURES, ROOT, TEST_ENV, direct_decode, fixture_texts, read_pcm, wer
 from ..launcher import Gateway, WorkerPool, wait_for
 from ..stack import (
     COMPOSE,
@@ -214,6 +215,32 @@ def test_speech_over_wss_through_nginx_reaches_both_gateways(stack):
     # least_conn: two sessions open at once go to the two instances.
     wait_for(lambda: len(upstreams()) >= len(gateways), timeout=20)
     assert upstreams() == gateways
+
+
+def test_openai_clients_transcribe_files_through_nginx(stack, tmp_path):
+    """The stock ``openai`` client, pointed at nginx: the models, a file in JSON and as
+    streamed deltas, and an upload larger than nginx lets through answered in OpenAI's
+    shape (25.5 MB: nginx passes it on, the gateway's limit is 25 MB)."""
+    import openai
+
+    upload = ("weather.wav", (FIXTURES / "weather.wav").read_bytes(), "audio/wav")
+    http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=stack.nginx.ca),
+                                     trust_env=False)
+    with openai.OpenAI(base_url=stack.nginx.url + "/v1", api_key="unused", max_retries=3,
+                       http_client=http) as client:
+        assert "whisper-1" in [m.id for m in client.models.list()]
+        r = client.audio.transcriptions.create(model="whisper-1", file=upload, language="en")
+        events = list(client.audio.transcriptions.create(model="whisper-1", file=upload,
+                                                         language="en", stream=True))
+        with pytest.raises(openai.APIStatusError) as err:
+            client.audio.transcriptions.create(
+                model="whisper-1", file=("big.wav", b"\0" * (51 * 512 * 1024), "audio/wav"))
+    assert wer(TEXTS["weather"], r.text) <= wer(TEXTS["weather"],
+                                                 direct_decode(read_pcm("weather"))) + 0.01
+    done = events[-1]
+    assert done.type == "transcript.text.done" and done.text == r.text
+    assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == r.text
+    assert err.value.status_code == 413 and err.value.code == "file_too_large"
 
 
 def test_plain_http_redirects_to_https(stack):

@@ -1,0 +1,353 @@
+"""OpenAI's transcription face: ``POST /v1/audio/transcriptions`` and ``GET /v1/models``
+on the gateway's port, for applications written against the ``openai`` package
+(docs/openai.md).
+
+An upload is decoded by PyAV (the container sniffed from its bytes, never from the part's
+type) in the gateway's thread pool, so the gateway's other sockets do not wait for it,
+and transcribed through a live session (cosyvoice/files.py): the same admission, client
+slots, rate limit, worker take-over and session options as a Socket.IO client's. Errors
+come in OpenAI's body shape, ``{"error": {message, type, param, code}}``, with the status
+the ``openai`` client maps to its exception classes; a full service answers 429 with
+``retry-after-ms``, which the stock client waits and retries by itself.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import gevent
+from flask import Flask, Response, jsonify, request, stream_with_context
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from . import subtitles, tokens
+from .audio import AudioFileError, read_audio
+from .errors import (
+    CosyvoiceError,
+    Overloaded,
+    RateLimited,
+    Unauthorized,
+    Unavailable,
+    UnsupportedLanguage,
+    UnsupportedMode,
+)
+from .files import FileSession
+from .gateway import Gateway
+from .languages import WHISPER_LANGUAGES, join_texts
+from .limits import parse_auth
+from .messages import Result
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/v1"
+FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
+GRANULARITIES = ("word", "segment")
+# OpenAI's model ids that clients send, each served by the default session mode;
+# ``cosyvoice/<mode>`` names one of the engine's modes.
+OPENAI_MODELS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
+NATIVE = "cosyvoice/"
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 retry_after_ms: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type_, param, code)
+        self.retry_after_ms = retry_after_ms
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> Response:
+        response = jsonify(self.body())
+        response.status_code = self.status
+        if self.retry_after_ms is not None:
+            response.headers["retry-after-ms"] = str(self.retry_after_ms)
+            response.headers["retry-after"] = str(max(1, math.ceil(self.retry_after_ms / 1000)))
+        return response
+
+
+def from_cosyvoice(err: CosyvoiceError, param: str | None = None) -> ApiError:
+    """A session's refusal or failure as OpenAI's error (the code is cosyvoice's)."""
+    if isinstance(err, Unauthorized):
+        return ApiError(401, err.msg, code="invalid_api_key")
+    if isinstance(err, Overloaded):
+        return ApiError(429, err.msg, "server_error", code=err.code,
+                        retry_after_ms=err.retry_after_ms)
+    if isinstance(err, RateLimited):
+        return ApiError(429, err.msg, "rate_limit_error", code="rate_limit_exceeded",
+                        retry_after_ms=1000)
+    if isinstance(err, (UnsupportedLanguage, UnsupportedMode)):
+        return ApiError(400, err.msg, param=param, code=err.code)
+    if isinstance(err, Unavailable):
+        return ApiError(503, err.msg, "server_error", code=err.code, retry_after_ms=1000)
+    return ApiError(500, err.msg, "server_error", code=err.code)
+
+
+def models(gateway: Gateway) -> list[dict]:
+    """The model ids this server answers to: OpenAI's, then one per session mode."""
+    ids = [*OPENAI_MODELS, *(NATIVE + mode for mode in gateway.modes)]
+    return [{"id": i, "object": "model", "created": 0, "owned_by": "cosyvoice"} for i in ids]
+
+
+def mode_for(model: str, gateway: Gateway) -> str:
+    """The session mode a model id asks for: ``cosyvoice/<mode>``, else the default."""
+    if model.startswith(NATIVE):
+        mode = model[len(NATIVE):]
+        if mode not in gateway.modes:
+            raise ApiError(404, f"the model {model!r} does not exist on this server",
+                           param="model", code="model_not_found")
+        return mode
+    return gateway.modes[0]
+
+
+def install(app: Flask, gateway: Gateway) -> None:
+    settings = gateway.settings
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_upload_mb * 1024 * 1024
+    app.register_error_handler(ApiError, lambda err: err.response())
+    app.register_error_handler(RequestEntityTooLarge, lambda err: too_large(err, settings))
+    app.add_url_rule(PREFIX + "/models", "openai_models", lambda: list_models(gateway))
+    app.add_url_rule(PREFIX + "/models/<path:model>", "openai_model",
+                     lambda model: one_model(gateway, model))
+    app.add_url_rule(PREFIX + "/audio/transcriptions", "openai_transcriptions",
+                     lambda: transcriptions(gateway), methods=["POST"])
+
+
+def too_large(err: RequestEntityTooLarge, settings: Settings):
+    if not request.path.startswith(PREFIX + "/"):
+        return err
+    return ApiError(413, f"the upload is larger than {settings.max_upload_mb} MB",
+                    param="file", code="file_too_large").response()
+
+
+def authorize(settings: Settings) -> None:
+    """With ``COSYVOICE_AUTH_SECRET`` set, the request's ``Authorization: Bearer`` key must
+    be a token it signed (``cosyvoice token``); 401 otherwise."""
+    if not settings.auth_secret:
+        return
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "an API key is required (Authorization: Bearer)",
+                       code="invalid_api_key")
+    try:
+        tokens.verify(settings.auth_secret, token.strip(), settings.token_ttl_s)
+    except Unauthorized as err:
+        raise ApiError(401, err.msg, code="invalid_api_key") from err
+
+
+def list_models(gateway: Gateway):
+    authorize(gateway.settings)
+    return jsonify(object="list", data=models(gateway))
+
+
+def one_model(gateway: Gateway, model: str):
+    authorize(gateway.settings)
+    for entry in models(gateway):
+        if entry["id"] == model:
+            return jsonify(entry)
+    raise ApiError(404, f"the model {model!r} does not exist on this server",
+                   param="model", code="model_not_found")
+
+
+def transcriptions(gateway: Gateway):
+    authorize(gateway.settings)
+    ask = Request.parse(gateway)
+    pcm, rate = decode_upload(ask.upload)
+    try:
+        req = parse_auth({"sample_rate": rate, "mode": ask.mode,
+                          **({"language": ask.language} if ask.language else {})},
+                         gateway.modes, gateway.settings.accepted_codecs, (),
+                         gateway.languages)
+    except CosyvoiceError as err:
+        raise from_cosyvoice(err, "language") from err
+    session = FileSession(gateway, pcm, rate, req, label="openai")
+    try:
+        session.open()
+    except CosyvoiceError as err:
+        raise from_cosyvoice(err) from err
+    if ask.stream:
+        return Response(stream_with_context(sse(session)), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        finals = list(session.finals())
+    except CosyvoiceError as err:
+        raise from_cosyvoice(err) from err
+    finally:
+        session.close()
+    return render(ask, finals, session.duration_s)
+
+
+class Request:
+    """The form fields of one transcription request, validated."""
+
+    def __init__(self) -> None:
+        self.upload = b""
+        self.model = ""
+        self.mode = ""
+        self.language: str | None = None
+        self.prompt = ""
+        self.format = "json"
+        self.granularities: list[str] = []
+        self.include: list[str] = []
+        self.temperature = 0.0
+        self.stream = False
+
+    @classmethod
+    def parse(cls, gateway: Gateway) -> Request:
+        form, ask = request.form, cls()
+        part = request.files.get("file")
+        if part is None:
+            raise ApiError(400, "the file part is missing: upload the audio as 'file'",
+                           param="file")
+        ask.upload = part.read()
+        if not ask.upload:
+            raise ApiError(400, "the uploaded file is empty", param="file")
+        ask.model = form.get("model", "")
+        if not ask.model:
+            raise ApiError(400, "you must provide a model parameter", param="model")
+        ask.mode = mode_for(ask.model, gateway)
+        ask.language = form.get("language") or None
+        ask.prompt = form.get("prompt", "")
+        ask.format = form.get("response_format") or "json"
+        if ask.format not in FORMATS:
+            raise ApiError(400, f"response_format must be one of {list(FORMATS)}",
+                           param="response_format")
+        ask.granularities = (form.getlist("timestamp_granularities[]")
+                             or form.getlist("timestamp_granularities"))
+        for value in ask.granularities:
+            if value not in GRANULARITIES:
+                raise ApiError(400, f"timestamp_granularities must be among "
+                               f"{list(GRANULARITIES)}", param="timestamp_granularities")
+        ask.include = form.getlist("include[]") or form.getlist("include")
+        for value in ask.include:
+            if value != "logprobs":
+                raise ApiError(400, "include may only name 'logprobs'", param="include")
+        try:
+            ask.temperature = float(form.get("temperature") or 0)
+        except ValueError:
+            raise ApiError(400, "temperature must be a number", param="temperature") from None
+        if not 0 <= ask.temperature <= 1:
+            raise ApiError(400, "temperature must be between 0 and 1", param="temperature")
+        ask.stream = (form.get("stream") or "").lower() in ("true", "1")
+        return ask
+
+
+def decode_upload(data: bytes) -> tuple[bytes, int]:
+    """16 kHz mono PCM of an upload, decoded in the hub's thread pool (PyAV releases the
+    GIL: the gateway's other greenlets go on meanwhile); 400 for what is not audio."""
+    try:
+        pcm, rate = gevent.get_hub().threadpool.apply(read_audio, (io.BytesIO(data),))
+    except AudioFileError as exc:
+        message = str(exc).replace("standard input", "the upload")
+        raise ApiError(400, message, param="file", code="invalid_audio") from None
+    if not pcm:
+        raise ApiError(400, "the upload holds no audio samples", param="file",
+                       code="invalid_audio")
+    return pcm, rate
+
+
+# ---- responses --------------------------------------------------------------------------
+
+
+def _language(finals: list[Result]) -> str:
+    code = subtitles.language([dict(f) for f in finals]) or "en"
+    return WHISPER_LANGUAGES.get(code, code).lower()
+
+
+def _usage(duration_s: float) -> dict:
+    return {"type": "duration", "seconds": max(1, math.ceil(duration_s))}
+
+
+def _logprob(conf: float) -> float:
+    return round(math.log(min(1.0, max(conf, 1e-6))), 4)
+
+
+def segment(i: int, final: Result, temperature: float) -> dict:
+    text = final["text"]
+    words = final.get("words") or []
+    raw = text.encode()
+    return {"id": i, "seek": 0, "start": final["start"], "end": final["end"],
+            "text": text, "tokens": [], "temperature": temperature,
+            "avg_logprob": (round(sum(_logprob(w["conf"]) for w in words) / len(words), 4)
+                            if words else 0.0),
+            "compression_ratio": round(len(raw) / len(zlib.compress(raw)), 4) if raw else 0.0,
+            "no_speech_prob": 0.0}
+
+
+def words_of(finals: list[Result]) -> list[dict]:
+    return [{"word": w["word"], "start": w["start"], "end": w["end"],
+             "probability": w["conf"]} for f in finals for w in f.get("words") or []]
+
+
+def render(ask: Request, finals: list[Result], duration_s: float) -> Response:
+    finals = [f for f in finals if f["text"].strip()]
+    plain: list[dict] = [dict(f) for f in finals]
+    text = join_texts([f["text"] for f in finals], [f.get("language") for f in finals])
+    if ask.format == "text":
+        return Response(text + "\n", mimetype="text/plain")
+    if ask.format == "srt":
+        return Response(subtitles.to_srt(plain), mimetype="text/plain")
+    if ask.format == "vtt":
+        return Response(subtitles.to_vtt(plain), mimetype="text/plain")
+    if ask.format == "verbose_json":
+        body: dict[str, Any] = {"task": "transcribe", "language": _language(finals),
+                                "duration": round(duration_s, 3), "text": text}
+        if "segment" in ask.granularities or not ask.granularities:
+            body["segments"] = [segment(i, f, ask.temperature) for i, f in enumerate(finals)]
+        if "word" in ask.granularities:
+            body["words"] = words_of(finals)
+        body["usage"] = _usage(duration_s)
+        return jsonify(body)
+    body = {"text": text, "usage": _usage(duration_s)}
+    if "logprobs" in ask.include:
+        body["logprobs"] = [{"token": w["word"], "logprob": _logprob(w["conf"]),
+                             "bytes": list(w["word"].encode())}
+                            for f in finals for w in f.get("words") or []]
+    return jsonify(body)
+
+
+def deltas(finals: Iterator[Result]) -> Iterator[tuple[str, str]]:
+    """(delta, text so far) per final with text: the deltas join to exactly the text."""
+    texts: list[str] = []
+    langs: list[str | None] = []
+    so_far = ""
+    for final in finals:
+        if not final["text"].strip():
+            continue
+        texts.append(final["text"])
+        langs.append(final.get("language"))
+        text = join_texts(texts, langs)
+        yield text[len(so_far):], text
+        so_far = text
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def sse(session: FileSession) -> Iterator[str]:
+    """``transcript.text.delta`` per final, then ``transcript.text.done`` (or an error
+    event); the session ends when the response does, a client that hangs up included."""
+    text = ""
+    try:
+        for delta, so_far in deltas(session.finals()):
+            text = so_far
+            yield _event({"type": "transcript.text.delta", "delta": delta})
+        yield _event({"type": "transcript.text.done", "text": text,
+                      "usage": {"type": "tokens", "input_tokens": 0, "output_tokens": 0,
+                                "total_tokens": 0}})
+    except CosyvoiceError as err:
+        yield _event(from_cosyvoice(err).body())
+    finally:
+        session.close()
