@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(hant) characters")
     tr.add_argument("--format", action="store_true",
                     help="numbers, dates, times and money as digits (zh, en, ja)")
+    tr.add_argument("--prompt", default=None, metavar="TEXT",
+                    help="text the recognition follows, as if said before the audio: names, "
+                         "terms, a spelling or a script to keep to (Whisper engines; at most "
+                         "500 characters)")
     tr.add_argument("--codec", choices=CODECS, default=None,
                     help="how the audio travels: pcm16 (raw 16-bit samples, about 270 "
                          "kbit/s; the default) or opus (20 ms Opus packets at --bitrate); "
@@ -478,7 +482,7 @@ def _stream(args: argparse.Namespace, pcm: bytes, rate: int, show):
                               ssl_verify=not args.insecure, mode=args.mode,
                               codec=args.codec, bitrate=args.bitrate or 0, abr=args.abr,
                               language=args.language, script=args.script,
-                              format=args.format)
+                              format=args.format, prompt=args.prompt)
     except Unreachable as exc:
         raise CliError(EXIT_UNREACHABLE, exc.msg) from None
     except Refused as exc:

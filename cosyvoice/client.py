@@ -215,12 +215,13 @@ class StreamingClient:
                  headers: dict | None = None, reconnect: bool = True, token: str | None = None,
                  ssl_verify: bool = True, mode: str | None = None, codec: str | None = None,
                  bitrate: int = 0, abr: bool = False, language: str | None = None,
-                 script: str | None = None, format: bool = False):
+                 script: str | None = None, format: bool = False, prompt: str | None = None):
         self.url = url
         self.mode = mode
-        # the session's language ("auto" or a code), Chinese script and formatting
+        # the session's language ("auto" or a code), Chinese script, formatting and prompt
         self.options: dict[str, str | bool] = {
-            k: v for k, v in (("language", language), ("script", script), ("format", format))
+            k: v for k, v in (("language", language), ("script", script), ("format", format),
+                              ("prompt", prompt))
             if v}
         # codecs.OPUS: the audio goes as Opus packets at ``bitrate`` (0: the server's first).
         # None: PCM, or with ``abr`` the rung the server starts the session on.

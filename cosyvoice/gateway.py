@@ -42,7 +42,7 @@ from .settings import Settings
 
 log = logging.getLogger("cosyvoice.gateway")
 # The session settings the gateway stores in its hash for the worker (cosyvoice/stages.py)
-SESSION_OPTIONS = ("language", "script", "format")
+SESSION_OPTIONS = ("language", "script", "format", "prompt")
 
 
 def current_socket_id() -> str:
@@ -280,7 +280,8 @@ class Gateway:
         rate = req.sample_rate or self.settings.default_sample_rate
         mode = req.mode or self.modes[0]
         options = {"language": req.language or self.languages[0], "script": req.script or HANS,
-                   "format": "1" if req.format else "0"}
+                   "format": "1" if req.format else "0",
+                   **({"prompt": req.prompt} if req.prompt else {})}
         session = secrets.token_hex(12)
         client = request.remote_addr or ""
         hold_s = self.settings.max_session_s + self.settings.session_grace_s

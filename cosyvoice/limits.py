@@ -21,6 +21,8 @@ from .protocol import SUPPORTED_RATES
 
 # Largest auth dict accepted, serialised as JSON.
 MAX_AUTH_BYTES = 4096
+# auth.prompt: Whisper reads the end of it (cosyvoice/finals.py, PROMPT_MAX_CHARS)
+MAX_PROMPT_CHARS = 500
 _SESSION_ID = re.compile(r"^[0-9a-f]{24}$")
 _RESULT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 
@@ -41,6 +43,7 @@ class ConnectRequest:
     language: str | None = None  # "auto" or a language code (cosyvoice/languages.py)
     script: str | None = None  # Chinese script: "hans" (Simplified) or "hant"
     format: bool = False  # numbers, dates, times and money as digits
+    prompt: str | None = None  # text the session's Whisper decodes follow (names, terms)
 
 
 def parse_auth(auth, modes: tuple[str, ...] = (), codecs: tuple[str, ...] = (PCM16,),
@@ -91,8 +94,9 @@ def parse_auth(auth, modes: tuple[str, ...] = (), codecs: tuple[str, ...] = (PCM
     script = _optional_str(auth, "script", 8)
     if script is not None and script not in SCRIPTS:
         raise UnsupportedLanguage(f"script must be one of {list(SCRIPTS)}")
+    prompt = _optional_str(auth, "prompt", MAX_PROMPT_CHARS)
     return ConnectRequest(rate, token, session, last_result, hint, mode, codec, bitrate, abr,
-                          language, script, _flag(auth, "format"))
+                          language, script, _flag(auth, "format"), prompt)
 
 
 def _flag(auth: dict, key: str) -> bool:

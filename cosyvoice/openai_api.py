@@ -39,7 +39,7 @@ from .errors import (
 from .files import FileSession
 from .gateway import Gateway
 from .languages import WHISPER_LANGUAGES, join_texts
-from .limits import parse_auth
+from .limits import MAX_PROMPT_CHARS, parse_auth
 from .messages import Result
 from .settings import Settings
 
@@ -166,7 +166,8 @@ def transcriptions(gateway: Gateway):
     pcm, rate = decode_upload(ask.upload)
     try:
         req = parse_auth({"sample_rate": rate, "mode": ask.mode,
-                          **({"language": ask.language} if ask.language else {})},
+                          **({"language": ask.language} if ask.language else {}),
+                          **({"prompt": ask.prompt[-MAX_PROMPT_CHARS:]} if ask.prompt else {})},
                          gateway.modes, gateway.settings.accepted_codecs, (),
                          gateway.languages)
     except CosyvoiceError as err:

@@ -278,7 +278,8 @@ class Worker:
         else:
             rate = int(info["start_rate"])
             stream = self.model.stream(rate, mode=info.get("mode") or None,
-                                       language=info.get("language") or None)
+                                       language=info.get("language") or None,
+                                       prompt=info.get("prompt", ""))
             position, next_seq = "0-0", 0
         undecodable = metrics.OPUS_UNDECODABLE.inc
         audio = (SessionAudio.resumed(rate, self._audio_back(ann.sid, checkpoint.id),

@@ -60,9 +60,12 @@ class Model(Protocol):
         ...
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
-               mode: str | None = None, language: str | None = None) -> Stream:
+               mode: str | None = None, language: str | None = None,
+               prompt: str = "") -> Stream:
         """A session's stream: from its ``checkpoint``, else new, in the session ``mode``
-        and ``language`` (one of ``EngineSpec.languages``; None: the engine's default)."""
+        and ``language`` (one of ``EngineSpec.languages``; None: the engine's default),
+        its Whisper decodes after the text ``prompt`` until its own finals take over (an
+        engine without a prompt ignores it)."""
         ...
 
 

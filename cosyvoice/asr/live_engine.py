@@ -186,11 +186,14 @@ class LiveModel:
         return self._vad_session
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
-               mode: str | None = None, language: str | None = None) -> "LiveStream":
+               mode: str | None = None, language: str | None = None,
+               prompt: str = "") -> "LiveStream":
         lang = language or ENGLISH
-        cp = checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate, "prompt": "",
+        # the caller's prompt is in the session's language (any language, on auto)
+        cp = checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate,
+                            "prompt": next_prompt("", prompt),
                             "language": lang, "current": "" if lang == AUTO else lang,
-                            "prompt_language": ""}
+                            "prompt_language": "" if lang == AUTO else lang}
         return LiveStream(self, cp)
 
     def first_pass(self, sample_rate: int, checkpoint: dict | None = None,

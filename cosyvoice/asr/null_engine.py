@@ -49,5 +49,6 @@ class NullModel:
         return None  # every result is decoded at once
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
-               mode: str | None = None, language: str | None = None) -> NullStream:
+               mode: str | None = None, language: str | None = None,
+               prompt: str = "") -> NullStream:
         return NullStream(sample_rate, checkpoint)

@@ -83,7 +83,8 @@ class PocketSphinxModel:
         self._free.append(decoder)
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
-               mode: str | None = None, language: str | None = None) -> "PocketSphinxStream":
+               mode: str | None = None, language: str | None = None,
+               prompt: str = "") -> "PocketSphinxStream":
         if checkpoint is None:
             cmn = NARROWBAND_INITIAL_CMN if sample_rate <= 8000 else self.initial_cmn
             checkpoint = {"cmn": cmn, "offset": 0, "utterance": 0, "rate": sample_rate}

@@ -325,14 +325,16 @@ class TwoPassModel:
         return self.finals
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
-               mode: str | None = None, language: str | None = None) -> TwoPassStream:
+               mode: str | None = None, language: str | None = None,
+               prompt: str = "") -> TwoPassStream:
         mode = (checkpoint or {}).get("mode") or mode or self.default_mode
         if mode not in ENGINES["2pass"].modes:
             mode = self.default_mode
         first_cp = None
         if checkpoint is not None:
             first_cp = {k: v for k, v in checkpoint.items() if k != "mode"}
-        context = finals.Context(prompt=str((checkpoint or {}).get("prompt", "")))
+        context = finals.Context(prompt=str(checkpoint.get("prompt", ""))
+                                 if checkpoint is not None else finals.next_prompt("", prompt))
         if self.live is not None and mode != "pocketsphinx":
             first = self.live.first_pass(sample_rate, first_cp, partials=mode == "2pass")
             return TwoPassStream(self, first, mode, sample_rate, context)

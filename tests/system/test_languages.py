@@ -5,6 +5,7 @@ parsed back, and a worker killed under a Mandarin session."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -103,6 +104,31 @@ def test_a_session_that_changes_language_is_followed(lang_service):
     assert "coffee" in finals[2]["text"].lower()
     assert _is_simplified(finals[1]["text"]) and _is_simplified(finals[3]["text"])
     assert " " in got.text  # English and Mandarin are joined by a space, Mandarin alone not
+
+
+def test_a_prompt_reaches_the_sessions_worker(lang_service):
+    """``auth.prompt`` is stored with the session and its worker's stream starts from it:
+    once a final is out, the session's checkpoint holds the prompt followed by that final."""
+    prompt = "以下是普通话的句子。"
+    stream = StreamingClient(lang_service.url, language="zh", prompt=prompt)
+    client = busmod.connect(lang_service.redis_url)
+    try:
+        stream.connect()
+        pcm = joined(["zh/zh03"])
+        for seq, start in enumerate(range(0, len(pcm), 6400)):
+            stream.send(pcm[start:start + 6400], seq, wait_ack=True)  # no last chunk
+        wait_for(lambda: [f for f in stream.result.finals if f["text"]], timeout=60)
+        info = busmod.Bus(client).session_info(stream.result.session)
+    finally:
+        stream.stop()
+        stream.close()
+        client.close()
+    assert info["prompt"] == prompt
+    final = next(f["text"] for f in stream.result.finals if f["text"])
+    # the checkpoint follows the final it is published with: the engine's text, before
+    # the script stage
+    assert json.loads(info["checkpoint"])["prompt"].startswith(prompt + " ")
+    assert cer([ZH["zh/zh03"]], [final]) <= 0.2
 
 
 def test_a_traditional_session_reads_traditional(lang_service):

@@ -109,7 +109,8 @@ def test_verbose_json_has_segments_and_words_with_times(face):
 
 def test_subtitles_parse_back(face):
     with client(face) as c:
-        s = c.audio.transcriptions.create(model="whisper-1", file=wav(), response_format="srt")
+        s = c.audio.transcriptions.create(model="whisper-1", file=wav(), response_format="srt",
+                                          prompt="A weather report, then a phone call.")
         v = c.audio.transcriptions.create(model="whisper-1", file=wav(), response_format="vtt")
     cues = list(srt.parse(s))
     assert len(cues) >= 2 and wer(two_text(), " ".join(q.content for q in cues)) <= 0.1

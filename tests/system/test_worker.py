@@ -180,8 +180,9 @@ class ExplodingModel:
     def start_stage(self, process=True):
         return None
 
-    def stream(self, sample_rate, checkpoint=None, mode=None, language=None):
-        real = self.real.stream(sample_rate, checkpoint, mode=mode, language=language)
+    def stream(self, sample_rate, checkpoint=None, mode=None, language=None, prompt=""):
+        real = self.real.stream(sample_rate, checkpoint, mode=mode, language=language,
+                                prompt=prompt)
         model = self
 
         class Stream:

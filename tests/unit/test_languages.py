@@ -39,9 +39,10 @@ def test_a_session_asks_for_auto_or_a_whisper_language_and_nothing_else():
             parse_auth(refused, languages=LIVE)
     with pytest.raises(UnsupportedLanguage, match="'zh' is not offered"):
         parse_auth({"language": "zh"})  # an English-only engine
-    for bad in ({"language": 7}, {"format": "yes"}):
+    for bad in ({"language": 7}, {"format": "yes"}, {"prompt": 3}, {"prompt": "x" * 501}):
         with pytest.raises(Unauthorized):
             parse_auth(bad, languages=LIVE)
+    assert parse_auth({"prompt": "Kubernetes, gRPC."}).prompt == "Kubernetes, gRPC."
 
 
 @pytest.mark.fast
@@ -187,6 +188,34 @@ def test_a_mandarin_stream_rebuilt_from_a_checkpoint_continues_exactly(live):
         assert cp["language"] == AUTO and cp["current"] in ("zh", "en")
         resumed, _ = run_stream(live, pcm, checkpoint=cp, start=position)
         assert finals(resumed) == finals(results)[cp["utterance"]:]
+
+
+def test_a_prompt_steers_the_decode_until_the_sessions_own_finals_take_over(live):
+    """Whisper base writes Mandarin mostly in Traditional characters; after a prompt in
+    Simplified it writes Simplified (before the script stage, which the engine knows
+    nothing of). The prompt is the stream's starting context: its checkpoint carries it on,
+    followed by the session's finals."""
+    names = sorted(ZH)
+    prompt = "以下是普通话的句子。"
+
+    def simplified(got: list) -> int:
+        return sum(script.convert(f["text"], "hans") == f["text"]
+                   and script.convert(f["text"], "hant") != f["text"] for f in got)
+
+    plain, prompted = [], []
+    for name in names:
+        plain += _transcribe(live, [name], "zh")
+        stream = live.stream(16000, language="zh", prompt=prompt)
+        start = stream.checkpoint
+        stream.close()
+        assert start["prompt"] == prompt
+        results, checkpoints = run_stream(live, read_pcm(name), checkpoint=start)
+        prompted += finals(results)
+        last = checkpoints[max(checkpoints)]
+        assert last["prompt"].startswith(prompt) and len(last["prompt"]) > len(prompt)
+    assert simplified(plain) <= len(plain) // 4, [f["text"] for f in plain]
+    assert simplified(prompted) >= len(prompted) * 3 // 4, [f["text"] for f in prompted]
+    assert cer(["".join(ZH[n] for n in names)], ["".join(f["text"] for f in prompted)]) <= 0.1
 
 
 def test_the_multilingual_model_is_the_packaged_base_unless_set(live):
