@@ -10,8 +10,8 @@ at every lease renewal and advertises the capacity this module computes from it:
 - **Over target, step down.** If the 95th percentile of the recent finals' queue waits
   (hand-over to the start of their decode) is over ``final_wait_s``, that of the
   partials' (a session asking for a partial to its decode starting) over
-  ``partial_wait_s``, or that of the finals' times from hand-over to text (the wait plus
-  the decode) over ``final_s``, the capacity drops to one less than the sessions it decodes (at
+  ``partial_wait_s``, or, with two sessions or more, that of the finals' times from
+  hand-over to text (the wait plus the decode) over ``final_s``, the capacity drops to one less than the sessions it decodes (at
   least 1). Nobody is shed: the process admits no new session until it is back within the
   targets, and its sessions end in their own time. That many sessions is not tried again
   for ``HOLD`` renewals, twice as long each time it is over target again.
@@ -94,11 +94,15 @@ class Admission:
         self.hold = 0  # renewals before the capacity may reach ``over_at`` again
         self.next_hold = HOLD
 
-    def over(self) -> bool:
+    def over(self, sessions: int = 2) -> bool:
+        """Over a target at ``sessions``. The finals' times count from two sessions on: one
+        session's finals take what its decodes take (the host's speed, the model, the
+        utterances' length), which admitting nobody else would not change."""
         t = self.targets
         return ((len(self.finals) >= MIN_WAITS and p95(self.finals) > t.final_wait_s)
                 or (len(self.partials) >= MIN_WAITS and p95(self.partials) > t.partial_wait_s)
-                or (t.final_s is not None and len(self.final_times) >= MIN_WAITS
+                or (t.final_s is not None and sessions > 1
+                    and len(self.final_times) >= MIN_WAITS
                     and p95(self.final_times) > t.final_s))
 
     def measured(self) -> bool:
@@ -148,7 +152,7 @@ class Admission:
             self._forget()  # the next sessions' waits say what they cost
             return self.capacity
         self.loads.append((busy, sessions if realtime is None else realtime))
-        if self.over():
+        if self.over(sessions):
             # not again soon, and each time it fails there, later
             self.over_at = sessions if self.over_at is None else min(self.over_at, sessions)
             self.hold, self.next_hold = self.next_hold, min(MAX_HOLD, 2 * self.next_hold)

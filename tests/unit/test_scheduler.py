@@ -433,6 +433,10 @@ def test_admission_counts_a_finals_decode_as_well_as_its_wait():
     slow = Admission(start=6, ceiling=12, targets=targets(final_s=0.3, final_time_s=0.45))
     slow.update(6, 0.5, [0.2] * W, [0.4] * W, final_times=[0.5] * W)
     assert slow.capacity == 5 and slow.reason == "over target"  # the same wait, decoded longer
+    # one session's finals take what its decodes take: nothing admission can change
+    alone = Admission(start=6, ceiling=12, targets=targets(final_s=0.3, final_time_s=0.45))
+    alone.update(1, 0.1, [0.0] * W, [0.1] * W, final_times=[0.6] * W)
+    assert alone.capacity == 6
     unjudged = Admission(start=6, ceiling=12, targets=targets(final_s=0.3))
     unjudged.update(6, 0.5, [0.2] * W, [0.4] * W, final_times=[0.5] * W)
     assert unjudged.capacity == 6  # no final-time target: the wait alone
