@@ -11,9 +11,10 @@ at every lease renewal and advertises the capacity this module computes from it:
   (hand-over to the start of their decode) is over ``final_wait_s``, that of the
   partials' (a session asking for a partial to its decode starting) over
   ``partial_wait_s``, or, with two sessions or more, that of the finals' times from
-  hand-over to text (the wait plus the decode) over ``final_s``, the capacity drops to one less than the sessions it decodes (at
-  least 1). Nobody is shed: the process admits no new session until it is back within the
-  targets, and its sessions end in their own time. That many sessions is not tried again
+  hand-over to text (the wait plus the decode) over ``final_s``, the capacity drops to
+  one less than the sessions it decodes (at least 1). Nobody is shed: the process admits
+  no new session until it is back within the targets, and its sessions end in their own
+  time. That many sessions is not tried again
   for ``HOLD`` renewals, twice as long each time it is over target again.
 - **Within target, fill up to the measured fit.** A real-time session's share of the
   scheduler's time (busy fraction / real-time sessions over the last ``COST_WINDOW``
