@@ -146,10 +146,11 @@ class ProbedClient(StreamingClient):
         self.on_event = self.probe.on_event
 
     def send(self, pcm: bytes, seq: int, last: bool = False, sample_rate: int = 0,
-             wait_ack: bool = False, timeout: float = 10.0) -> dict | None:
+             wait_ack: bool = False, timeout: float = 10.0,
+             finalize: bool = False) -> dict | None:
         self.probe.sent(seq)
         return super().send(pcm, seq, last=last, sample_rate=sample_rate, wait_ack=wait_ack,
-                            timeout=timeout)
+                            timeout=timeout, finalize=finalize)
 
     def _bind(self) -> None:
         super()._bind()

@@ -9,8 +9,8 @@ import betterproto
 
 class Codec(betterproto.Enum):
     """
-    How a chunk's audio is encoded. Clients that predate Opus send PCM16 without
-    naming it (the default of a proto3 enum).
+    How a chunk's audio is encoded. Clients that predate Opus send PCM16
+    without naming it (the default of a proto3 enum).
     """
 
     PCM16 = 0
@@ -32,3 +32,4 @@ class AudioChunkProto(betterproto.Message):
     codec: "Codec" = betterproto.enum_field(6)
     opus: List[bytes] = betterproto.bytes_field(7)
     bitrate: int = betterproto.uint32_field(8)
+    finalize: bool = betterproto.bool_field(9)

@@ -192,6 +192,8 @@ class Transcript:
     acks: list[dict] = field(default_factory=list)
     # (event, payload) of every switch_down / switch_up the server sent
     switches: list[tuple[str, dict]] = field(default_factory=list)
+    # speech_started events (auth.speech_events)
+    speech_started: list[dict] = field(default_factory=list)
     ended: bool = False
     resumes: int = 0
     # (monotonic time, event, payload) of everything received, for latency measurements.
@@ -215,14 +217,19 @@ class StreamingClient:
                  headers: dict | None = None, reconnect: bool = True, token: str | None = None,
                  ssl_verify: bool = True, mode: str | None = None, codec: str | None = None,
                  bitrate: int = 0, abr: bool = False, language: str | None = None,
-                 script: str | None = None, format: bool = False, prompt: str | None = None):
+                 script: str | None = None, format: bool = False, prompt: str | None = None,
+                 interim: bool = True, endpoint_ms: int | None = None,
+                 speech_events: bool = False):
         self.url = url
         self.mode = mode
         # the session's language ("auto" or a code), Chinese script, formatting and prompt
-        self.options: dict[str, str | bool] = {
+        self.options: dict[str, str | bool | int] = {
             k: v for k, v in (("language", language), ("script", script), ("format", format),
-                              ("prompt", prompt))
+                              ("prompt", prompt), ("endpoint_ms", endpoint_ms),
+                              ("speech_events", speech_events))
             if v}
+        if not interim:  # turn control: finals only
+            self.options["interim"] = False
         # codecs.OPUS: the audio goes as Opus packets at ``bitrate`` (0: the server's first).
         # None: PCM, or with ``abr`` the rung the server starts the session on.
         self.asked_codec = codec
@@ -284,6 +291,7 @@ class StreamingClient:
         handlers = {"session": self._on_session, "text": self._on_text, "end": self._on_end,
                     "error": self._on_error, "connect_error": self._on_connect_error,
                     "disconnect": self._on_disconnect,
+                    "speech_started": self._on_speech_started,
                     "switch_down": lambda data: self._on_switch("switch_down", data),
                     "switch_up": lambda data: self._on_switch("switch_up", data)}
         for event, handler in handlers.items():
@@ -332,6 +340,11 @@ class StreamingClient:
             self._record("end", data)
             self._lock.notify_all()
         self._done.set()
+
+    def _on_speech_started(self, data: dict) -> None:
+        with self._lock:
+            self.result.speech_started.append(data)
+            self._record("speech_started", data)
 
     def _on_switch(self, event: str, data: dict) -> None:
         """The server's adaptive bitrate: the chunks sent from now on go at this rung."""
@@ -425,10 +438,12 @@ class StreamingClient:
         return f"{self.url} answered but no Socket.IO session opened on {NAMESPACE} ({detail})"
 
     def send(self, pcm: bytes, seq: int, last: bool = False, sample_rate: int = 0,
-             wait_ack: bool = False, timeout: float = 10.0) -> dict | None:
-        """Send one chunk; with ``wait_ack`` block until the server acks it."""
+             wait_ack: bool = False, timeout: float = 10.0,
+             finalize: bool = False) -> dict | None:
+        """Send one chunk; with ``wait_ack`` block until the server acks it. ``finalize``:
+        the utterance in progress ends after it (``pcm`` may be empty then)."""
         payload = encode_chunk(pcm, seq, last=last, sample_rate=sample_rate,
-                               sent_ms=int(time.time() * 1000))
+                               sent_ms=int(time.time() * 1000), finalize=finalize)
         return self.send_payload(payload, seq, wait_ack, timeout)
 
     def send_opus(self, packets: list[bytes], seq: int, last: bool = False,

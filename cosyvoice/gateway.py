@@ -42,7 +42,8 @@ from .settings import Settings
 
 log = logging.getLogger("cosyvoice.gateway")
 # The session settings the gateway stores in its hash for the worker (cosyvoice/stages.py)
-SESSION_OPTIONS = ("language", "script", "format", "prompt")
+SESSION_OPTIONS = ("language", "script", "format", "prompt", "interim", "endpoint_ms",
+                   "speech_events")
 
 
 def current_socket_id() -> str:
@@ -281,7 +282,10 @@ class Gateway:
         mode = req.mode or self.modes[0]
         options = {"language": req.language or self.languages[0], "script": req.script or HANS,
                    "format": "1" if req.format else "0",
-                   **({"prompt": req.prompt} if req.prompt else {})}
+                   **({"prompt": req.prompt} if req.prompt else {}),
+                   **({} if req.interim else {"interim": "0"}),
+                   **({"endpoint_ms": str(req.endpoint_ms)} if req.endpoint_ms else {}),
+                   **({"speech_events": "1"} if req.speech_events else {})}
         session = secrets.token_hex(12)
         client = request.remote_addr or ""
         hold_s = self.settings.max_session_s + self.settings.session_grace_s
@@ -303,7 +307,8 @@ class Gateway:
         # No result can come before the client's first chunk, which needs the session
         # event that follows this handler.
         try:
-            self.relay.subscribe(session, output or SocketIOOutput(self.socketio, conn_id))
+            self.relay.subscribe(session, output or SocketIOOutput(
+                self.socketio, conn_id, partials=options.get("interim") != "0"))
         except redis.RedisError:
             self.relay.unsubscribe(session)
             self._discard(session, client)
@@ -337,8 +342,9 @@ class Gateway:
                           options={k: info[k] for k in SESSION_OPTIONS if k in info})
         self.bus.hold_client_slot(conn.client, conn.session,
                                   self.settings.max_session_s + self.settings.session_grace_s)
-        self.relay.subscribe(conn.session, SocketIOOutput(self.socketio, socket_id),
-                             after=req.last_result or "-")
+        self.relay.subscribe(conn.session, SocketIOOutput(
+            self.socketio, socket_id, partials=conn.options.get("interim") != "0"),
+            after=req.last_result or "-")
         log.info("session resumed", extra={"session": conn.session, "event": "resume"})
         return conn
 

@@ -23,6 +23,9 @@ from .protocol import SUPPORTED_RATES
 MAX_AUTH_BYTES = 4096
 # auth.prompt: Whisper reads the end of it (cosyvoice/finals.py, PROMPT_MAX_CHARS)
 MAX_PROMPT_CHARS = 500
+# auth.endpoint_ms: the silence that ends an utterance, in ms (the endpointer judges 32 ms
+# frames: under 64 ms counts as 64)
+ENDPOINT_MS = (10, 5000)
 _SESSION_ID = re.compile(r"^[0-9a-f]{24}$")
 _RESULT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 
@@ -44,6 +47,11 @@ class ConnectRequest:
     script: str | None = None  # Chinese script: "hans" (Simplified) or "hant"
     format: bool = False  # numbers, dates, times and money as digits
     prompt: str | None = None  # text the session's Whisper decodes follow (names, terms)
+    # turn control: partials sent (False: finals only), the silence that ends an utterance
+    # (None: the server's), a speech_started event at each start of speech
+    interim: bool = True
+    endpoint_ms: int | None = None
+    speech_events: bool = False
 
 
 def parse_auth(auth, modes: tuple[str, ...] = (), codecs: tuple[str, ...] = (PCM16,),
@@ -96,7 +104,20 @@ def parse_auth(auth, modes: tuple[str, ...] = (), codecs: tuple[str, ...] = (PCM
         raise UnsupportedLanguage(f"script must be one of {list(SCRIPTS)}")
     prompt = _optional_str(auth, "prompt", MAX_PROMPT_CHARS)
     return ConnectRequest(rate, token, session, last_result, hint, mode, codec, bitrate, abr,
-                          language, script, _flag(auth, "format"), prompt)
+                          language, script, _flag(auth, "format"), prompt, *_turn(auth))
+
+
+def _turn(auth: dict) -> tuple[bool, int | None, bool]:
+    """``interim``, ``endpoint_ms`` and ``speech_events`` of the auth payload."""
+    interim = auth.get("interim", True)
+    if not isinstance(interim, bool):
+        raise Unauthorized("interim must be true or false")
+    endpoint_ms = auth.get("endpoint_ms")
+    if endpoint_ms is not None and (type(endpoint_ms) is not int
+                                    or not ENDPOINT_MS[0] <= endpoint_ms <= ENDPOINT_MS[1]):
+        raise Unauthorized(f"endpoint_ms must be an integer from {ENDPOINT_MS[0]} to "
+                           f"{ENDPOINT_MS[1]}")
+    return interim, endpoint_ms, _flag(auth, "speech_events")
 
 
 def _flag(auth: dict, key: str) -> bool:

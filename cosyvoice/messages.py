@@ -56,6 +56,14 @@ class Result(TypedDict):
     language_prob: NotRequired[float]  # where that language was detected: its probability
 
 
+class SpeechStarted(TypedDict):
+    """Speech began (sessions that asked: ``auth.speech_events``): ``start`` is when
+    (seconds from the session's start); the final of the utterance it opens follows."""
+    type: Literal["speech_started"]
+    start: float
+    seq: NotRequired[int]
+
+
 class End(TypedDict):
     """Every result of the session's ``last`` chunk has been published."""
     type: Literal["end"]
@@ -70,7 +78,7 @@ class ErrorResult(TypedDict):
     msg: str
 
 
-Published = Result | End | ErrorResult
+Published = Result | SpeechStarted | End | ErrorResult
 
 
 def to_json(message: Published) -> str:
@@ -112,6 +120,9 @@ def to_event(session: str, result_id: str,
         return "end", EndEvent(session=session, id=result_id)
     if message["type"] == "error":
         return "error", ErrorEvent(code=message["code"], msg=message["msg"])
+    if message["type"] == "speech_started":
+        started: Any = {**message, "id": result_id}
+        return "speech_started", started
     text: Any = {**message, "id": result_id}
     return "text", text
 
@@ -168,6 +179,8 @@ class Scheduled:
         return out
 
 
+# (an engine's ``speech_started`` item, a ``SpeechStarted``, travels the results' way as
+# a Result-shaped dict: stages and the outbox pass it on as it is, in its order)
 Decoded = Result | Scheduled
 # What an audio entry hands its session's stages and outbox: results and the ``end``
 Outgoing = Result | Scheduled | End

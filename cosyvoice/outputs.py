@@ -38,13 +38,17 @@ class Output(Protocol):
 
 
 class SocketIOOutput:
-    """The Socket.IO face: each result as the event ``messages.to_event`` names."""
+    """The Socket.IO face: each result as the event ``messages.to_event`` names; with
+    ``partials`` False (``auth.interim: false``), finals only."""
 
-    def __init__(self, socketio, socket_id: str):
+    def __init__(self, socketio, socket_id: str, partials: bool = True):
         self.socketio = socketio
         self.id = socket_id
+        self.partials = partials
 
     def send(self, session: str, result_id: str, message: Published) -> None:
+        if not self.partials and message["type"] == "partial":
+            return
         event, data = messages.to_event(session, result_id, message)
         self.socketio.emit(event, data, to=self.id, namespace=NAMESPACE)
 

@@ -41,6 +41,7 @@ class Chunk:
     opus: tuple[bytes, ...] = ()  # codec opus: the packets, in order
     bitrate: int = 0  # codec opus: the encoder's target, bit/s (0: not said)
     audio_ms: float = 0.0
+    finalize: bool = False  # the utterance in progress ends after this chunk
 
     @property
     def duration_s(self) -> float:
@@ -53,17 +54,17 @@ def max_payload_bytes(max_chunk_ms: int) -> int:
 
 
 def encode_chunk(pcm: bytes, seq: int, *, last: bool = False, sample_rate: int = 0,
-                 sent_ms: int = 0) -> bytes:
+                 sent_ms: int = 0, finalize: bool = False) -> bytes:
     """Serialise one PCM chunk as the client sends it."""
     return bytes(AudioChunkProto(pcm=pcm, seq=seq, last=last, sample_rate=sample_rate,
-                                 sent_ms=sent_ms))
+                                 sent_ms=sent_ms, finalize=finalize))
 
 
 def encode_opus_chunk(packets: list[bytes], seq: int, *, bitrate: int, last: bool = False,
-                      sent_ms: int = 0) -> bytes:
+                      sent_ms: int = 0, finalize: bool = False) -> bytes:
     """Serialise one chunk of Opus packets (16 kHz audio) as the client sends it."""
     return bytes(AudioChunkProto(codec=Codec.OPUS, opus=list(packets), bitrate=bitrate,
-                                 seq=seq, last=last, sent_ms=sent_ms))
+                                 seq=seq, last=last, sent_ms=sent_ms, finalize=finalize))
 
 
 def _parse(data: bytes) -> AudioChunkProto:
@@ -82,8 +83,8 @@ def _parse(data: bytes) -> AudioChunkProto:
         value = getattr(msg, name)
         if type(value) is not int or not 0 <= value <= limit:
             raise BadChunk(f"field {name} must be an unsigned integer")
-    if type(msg.last) is not bool:
-        raise BadChunk("field last must be a bool")
+    if type(msg.last) is not bool or type(msg.finalize) is not bool:
+        raise BadChunk("fields last and finalize must be bools")
     if not isinstance(msg.codec, int) or isinstance(msg.codec, bool):
         raise BadChunk("field codec must be an enum number")
     if msg.codec not in CODEC_OF_WIRE:
@@ -100,8 +101,9 @@ def _opus_chunk(msg: AudioChunkProto, max_chunk_ms: int) -> Chunk:
     if msg.sample_rate not in (0, codecs.RATE):
         raise UnsupportedRate(f"Opus audio is {codecs.RATE} Hz, not {msg.sample_rate}",
                               seq=msg.seq)
-    if not msg.opus and not msg.last:
-        raise BadChunk("empty chunk: opus may be empty only with last=true", seq=msg.seq)
+    if not msg.opus and not (msg.last or msg.finalize):
+        raise BadChunk("empty chunk: opus may be empty only with last or finalize",
+                       seq=msg.seq)
     ms = 0.0
     for i, packet in enumerate(msg.opus):
         try:
@@ -112,7 +114,7 @@ def _opus_chunk(msg: AudioChunkProto, max_chunk_ms: int) -> Chunk:
         raise TooLarge(f"chunk holds more than {max_chunk_ms} ms of audio", seq=msg.seq)
     return Chunk(pcm=b"", seq=msg.seq, last=msg.last, sample_rate=codecs.RATE,
                  sent_ms=msg.sent_ms, codec=codecs.OPUS, opus=tuple(msg.opus),
-                 bitrate=msg.bitrate, audio_ms=ms)
+                 bitrate=msg.bitrate, audio_ms=ms, finalize=msg.finalize)
 
 
 def decode_chunk(data, current_rate: int, max_chunk_ms: int,
@@ -147,10 +149,12 @@ def decode_chunk(data, current_rate: int, max_chunk_ms: int,
                        seq=msg.seq)
     if len(msg.pcm) > chunk_bytes(rate, max_chunk_ms):
         raise TooLarge(f"chunk holds more than {max_chunk_ms} ms of audio", seq=msg.seq)
-    if not msg.pcm and not msg.last:
-        raise BadChunk("empty chunk: pcm may be empty only with last=true", seq=msg.seq)
+    if not msg.pcm and not (msg.last or msg.finalize):
+        raise BadChunk("empty chunk: pcm may be empty only with last or finalize",
+                       seq=msg.seq)
     return Chunk(pcm=msg.pcm, seq=msg.seq, last=msg.last, sample_rate=rate,
-                 sent_ms=msg.sent_ms, audio_ms=len(msg.pcm) / SAMPLE_WIDTH / rate * 1000)
+                 sent_ms=msg.sent_ms, audio_ms=len(msg.pcm) / SAMPLE_WIDTH / rate * 1000,
+                 finalize=msg.finalize)
 
 
 def parse_stored(data: bytes) -> AudioChunkProto:

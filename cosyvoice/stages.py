@@ -100,8 +100,8 @@ def apply(rules: Sequence[TextRule], items: Sequence[Outgoing]) -> list[Outgoing
     for item in items:
         if isinstance(item, Scheduled):
             out.append(replace(item, rules=item.rules + tuple(rules)))
-        elif item["type"] == "end":
-            out.append(item)
+        elif item["type"] not in ("partial", "final"):
+            out.append(item)  # end, speech_started
         else:
             result: Result = item
             for rule in rules:

@@ -27,7 +27,7 @@ import redis
 
 from . import bus as busmod
 from . import metrics, stages, sweeper
-from .asr import Model, Stream, capacity_of
+from .asr import Model, Stream, Turn, capacity_of
 from .asr.admission import Admission, Targets
 from .asr.scheduler import Load
 from .backoff import Backoff
@@ -279,7 +279,8 @@ class Worker:
             rate = int(info["start_rate"])
             stream = self.model.stream(rate, mode=info.get("mode") or None,
                                        language=info.get("language") or None,
-                                       prompt=info.get("prompt", ""))
+                                       prompt=info.get("prompt", ""),
+                                       turn=Turn.from_options(info))
             position, next_seq = "0-0", 0
         undecodable = metrics.OPUS_UNDECODABLE.inc
         audio = (SessionAudio.resumed(rate, self._audio_back(ann.sid, checkpoint.id),
@@ -335,6 +336,8 @@ class Worker:
             decoded = self._feed(s, msg)
             if msg.last:
                 decoded += s.stream.flush()
+            elif msg.finalize:
+                decoded += s.stream.finalize()
             results, checkpoint = entry_results(sid, entry_id, msg.seq, msg.last, decoded,
                                                 lambda: s.stream.checkpoint)
             s.position, s.next_seq = entry_id, msg.seq + 1

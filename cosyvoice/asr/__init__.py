@@ -25,9 +25,10 @@ from ..messages import Decoded
 from ..registry import ENGINES, SESSION_MODES, WHISPER_BACKENDS, EngineSpec
 from ..settings import Settings
 from ..stages import DeferredStage
+from .endpointer import Turn
 
 __all__ = ["ENGINES", "SESSION_MODES", "WHISPER_BACKENDS", "EngineSpec", "Model", "Stream",
-           "capacity_of", "load_model"]
+           "Turn", "capacity_of", "load_model"]
 
 
 class Stream(Protocol):
@@ -37,6 +38,11 @@ class Stream(Protocol):
     def feed(self, pcm: bytes, sample_rate: int | None = None) -> Sequence[Decoded]: ...
 
     def flush(self) -> Sequence[Decoded]: ...
+
+    def finalize(self) -> Sequence[Decoded]:
+        """The utterance in progress ends here (a client's ``finalize``): its final now,
+        and the stream goes on."""
+        ...
 
     def close(self) -> None: ...
 
@@ -61,11 +67,12 @@ class Model(Protocol):
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
                mode: str | None = None, language: str | None = None,
-               prompt: str = "") -> Stream:
+               prompt: str = "", turn: Turn | None = None) -> Stream:
         """A session's stream: from its ``checkpoint``, else new, in the session ``mode``
         and ``language`` (one of ``EngineSpec.languages``; None: the engine's default),
         its Whisper decodes after the text ``prompt`` until its own finals take over (an
-        engine without a prompt ignores it)."""
+        engine without a prompt ignores it), its endpointing as ``turn`` asks (the
+        whisper-live front end: whisper-live and 2-pass; PocketSphinx ignores it)."""
         ...
 
 

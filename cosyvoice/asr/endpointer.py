@@ -15,12 +15,37 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 from pocketsphinx import Vad
 
 FRAME_S = 0.03
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A session's turn control, as it asked (``auth``; stored in its hash, carried in its
+    checkpoint): ``endpoint_ms``, the silence that ends an utterance (0: the server's
+    endpointer window), and ``speech_events``, a ``speech_started`` result at each start
+    of speech."""
+    endpoint_ms: int = 0
+    speech_events: bool = False
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Turn:
+        """From a session's hash (strings) or a checkpoint (JSON values)."""
+        return cls(int(options.get("endpoint_ms") or 0),
+                   str(options.get("speech_events", "")) in ("1", "True", "true"))
+
+    def to_checkpoint(self) -> dict[str, Any]:
+        return {"endpoint_ms": self.endpoint_ms, "speech_events": self.speech_events}
+
+    @property
+    def end_window_s(self) -> float | None:
+        return self.endpoint_ms / 1000 if self.endpoint_ms else None
 
 
 class FrameVad(Protocol):
@@ -73,8 +98,12 @@ def silero_session():
 
 
 class Endpointer:
+    """Starts and ends of speech. ``end_window_s`` (None: ``window_s``) is the window an
+    end is judged on: a session's endpointing silence (``auth.endpoint_ms``)."""
+
     def __init__(self, window_s: float = 0.3, ratio: float = 0.9, sample_rate: int = 16000,
-                 mode: int = Vad.LOOSE, vad: FrameVad | None = None):
+                 mode: int = Vad.LOOSE, vad: FrameVad | None = None,
+                 end_window_s: float | None = None):
         self._vad: FrameVad = vad if vad is not None else Vad(mode, sample_rate, FRAME_S)
         self.frame_bytes = self._vad.frame_bytes
         self.frame_length = self._vad.frame_length
@@ -83,6 +112,12 @@ class Endpointer:
         self._needed = max(1, math.ceil(ratio * self._size))
         self._window: deque[tuple[bool, bytes]] = deque()
         self._speech_in_window = 0
+        # the latest frames' calls an end is judged on
+        self._end_size = (self._size if end_window_s is None
+                          else max(2, round(end_window_s / self.frame_length)))
+        self._end_needed = max(1, math.ceil(ratio * self._end_size))
+        self._recent: deque[bool] = deque()
+        self._speech_recent = 0
         self._frames = 0  # frames seen so far
         self.in_speech = False
         self.speech_start = 0.0  # seconds from the first frame
@@ -98,6 +133,10 @@ class Endpointer:
         self._speech_in_window += speech
         if len(self._window) > self._size:
             self._speech_in_window -= self._window.popleft()[0]
+        self._recent.append(speech)
+        self._speech_recent += speech
+        if len(self._recent) > self._end_size:
+            self._speech_recent -= self._recent.popleft()
         full = len(self._window) == self._size
         first = self._frames - len(self._window)  # index of the window's oldest frame
         if not self.in_speech:
@@ -106,10 +145,11 @@ class Endpointer:
                 self.speech_start = first * self.frame_length
                 return b"".join(f for _s, f in self._window)
             return None
-        if full and self._size - self._speech_in_window >= self._needed:
+        recent = len(self._recent)
+        if recent == self._end_size and recent - self._speech_recent >= self._end_needed:
             self.in_speech = False
-            last = max((i for i, (s, _f) in enumerate(self._window) if s), default=-1)
-            self.speech_end = (first + last + 1) * self.frame_length
+            last = max((i for i, s in enumerate(self._recent) if s), default=-1)
+            self.speech_end = (self._frames - recent + last + 1) * self.frame_length
         return frame
 
     def end_stream(self, frame: bytes) -> bytes | None:

@@ -68,7 +68,7 @@ from ..finals import next_prompt
 from ..languages import AUTO, ENGLISH
 from ..settings import Settings
 from . import model_data
-from .endpointer import Endpointer, SileroVad, next_frame, silero_session
+from .endpointer import Endpointer, SileroVad, Turn, next_frame, silero_session
 from .resample import ModelRateInput
 from .scheduler import DecodeJob, DecodeScheduler, Inline, StreamState
 from .tiny_whisper import (
@@ -187,23 +187,25 @@ class LiveModel:
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
                mode: str | None = None, language: str | None = None,
-               prompt: str = "") -> "LiveStream":
+               prompt: str = "", turn: Turn | None = None) -> "LiveStream":
         lang = language or ENGLISH
         # the caller's prompt is in the session's language (any language, on auto)
         cp = checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate,
                             "prompt": next_prompt("", prompt),
                             "language": lang, "current": "" if lang == AUTO else lang,
-                            "prompt_language": "" if lang == AUTO else lang}
+                            "prompt_language": "" if lang == AUTO else lang,
+                            **(turn or Turn()).to_checkpoint()}
         return LiveStream(self, cp)
 
     def first_pass(self, sample_rate: int, checkpoint: dict | None = None,
-                   partials: bool = True) -> "LiveStream":
+                   partials: bool = True, turn: Turn | None = None) -> "LiveStream":
         """A stream for the 2-pass engine: its partials (unless ``partials`` is False) and
         its endpoints, but no final decoded here. A final comes back without its text,
         its utterance's audio kept for ``take_utterance_audio``: the 2-pass engine's
         finals stage decodes it after the session's prompt (partials are decoded without
         one)."""
-        cp = {**(checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate}),
+        cp = {**(checkpoint or {"offset": 0, "utterance": 0, "rate": sample_rate,
+                                **(turn or Turn()).to_checkpoint()}),
               "prompt": ""}
         return LiveStream(self, cp, defer_finals=True, partials=partials)
 
@@ -343,6 +345,8 @@ class LiveStream:
         self._offset = int(cp["offset"])  # model-rate samples received since session start
         self._rate = int(cp["rate"])
         lang = str(cp.get("language", ENGLISH))
+        self._turn = Turn.from_options(cp)
+        self._events: list[messages.Decoded] = []  # speech_started, as the frames go
         self._state = StreamState(prompt=str(cp.get("prompt", "")),
                                   utterance=int(cp["utterance"]), language=lang,
                                   current=str(cp.get("current", lang)),
@@ -357,7 +361,7 @@ class LiveStream:
         st = self._state
         return {"offset": self._ep_base, "utterance": st.utterance, "rate": self._rate,
                 "prompt": st.prompt, "language": st.language, "current": st.current,
-                "prompt_language": st.prompt_language,
+                "prompt_language": st.prompt_language, **self._turn.to_checkpoint(),
                 "preroll": base64.b64encode(self._carried).decode("ascii")}
 
     def _reset_front_end(self, carried: bytes = b"") -> None:
@@ -365,7 +369,8 @@ class LiveStream:
         that a start's pre-roll may reach back into (the last ``endpoint_preroll_s``)."""
         self._carried = carried[-2 * self._preroll:] if self._preroll else b""
         self._ep = Endpointer(window_s=self._window, ratio=self._ratio, sample_rate=MODEL_RATE,
-                              vad=SileroVad(self._model.vad_session()))
+                              vad=SileroVad(self._model.vad_session()),
+                              end_window_s=self._turn.end_window_s)
         self._ep_base = self._offset
         self._buf = bytearray()
         self._ep_pos = 0  # samples the endpointer has seen since the reset
@@ -390,15 +395,16 @@ class LiveStream:
         self._offset += len(data) // 2
         self._buf += data
         end = self._consume_frames()
+        events, self._events = self._events, []
         if end is not None:
-            return self._finish_and_reset(end)
+            return events + self._finish_and_reset(end)
         if not self._in_utt:
-            return []
+            return events
         length = len(self._utt_pcm) // 2
         if length >= self._max_utt or (length >= self._pause_cut
                                        and self._quiet >= PAUSE_FRAMES):
-            return self._finish_and_reset(self._ep_base + self._ep_pos)
-        return self._partial()
+            return events + self._finish_and_reset(self._ep_base + self._ep_pos)
+        return events + self._partial()
 
     def _consume_frames(self) -> int | None:
         """Run whole frames through the endpointer; the end sample at an endpoint."""
@@ -428,6 +434,9 @@ class LiveStream:
         self._utt_start = self._ep_base + pre_from
         self._utt_pcm = bytearray(
             self._history[(pre_from - hist_start) * 2:(start - hist_start) * 2])
+        if self._turn.speech_events:
+            self._events.append(cast(messages.Result, {
+                "type": "speech_started", "start": self._seconds(self._ep_base + start)}))
 
     # ---- output -----------------------------------------------------------------------
 
@@ -481,12 +490,24 @@ class LiveStream:
         """A deferred final's audio (``defer_finals``), as PocketSphinx's stream gives it."""
         return self._finished_audio.pop(utterance, b"")
 
+    def finalize(self) -> list[messages.Decoded]:
+        """The utterance in progress ends at the audio received so far (whole frames; the
+        rest starts the next one): its final now, the stream goes on."""
+        end = self._consume_frames()
+        events, self._events = self._events, []
+        if end is None and self._in_utt:
+            end = self._ep_base + self._ep_pos
+        if end is None:
+            return events
+        return events + self._finish_and_reset(end)
+
     def flush(self) -> list[messages.Decoded]:
         """End of stream: decode what is buffered and return the last final."""
         tail = self._input.flush()
         self._offset += len(tail) // 2
         self._buf += tail
         end = self._consume_frames()
+        events, self._events = self._events, []
         if end is None and self._ep.in_speech:
             tail = self._ep.end_stream(bytes(self._buf)) or b""
             self._utt_pcm += tail
@@ -495,8 +516,8 @@ class LiveStream:
             end = self._offset
         if end is None:
             self._reset_front_end(bytes(self._history))
-            return []
-        return self._finish_and_reset(end)
+            return events
+        return events + self._finish_and_reset(end)
 
     def close(self) -> None:
         cancel = getattr(self._model.runner, "cancel", None)

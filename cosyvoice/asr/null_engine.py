@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..messages import Result
 from ..protocol import SAMPLE_WIDTH
 from ..settings import Settings
+from .endpointer import Turn
 
 
 class NullStream:
@@ -28,6 +29,9 @@ class NullStream:
     def flush(self) -> list[Result]:
         return [{"type": "final", "text": "", "utterance": self.checkpoint["utterance"],
                  "start": 0.0, "end": round(self._seconds, 3), "words": []}]
+
+    def finalize(self) -> list[Result]:
+        return []
 
     def close(self) -> None:
         pass
@@ -50,5 +54,5 @@ class NullModel:
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
                mode: str | None = None, language: str | None = None,
-               prompt: str = "") -> NullStream:
+               prompt: str = "", turn: Turn | None = None) -> NullStream:
         return NullStream(sample_rate, checkpoint)

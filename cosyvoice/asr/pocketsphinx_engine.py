@@ -21,7 +21,7 @@ import pocketsphinx
 
 from ..messages import Result, Word
 from ..settings import Settings
-from .endpointer import Endpointer, next_frame
+from .endpointer import Endpointer, Turn, next_frame
 from .resample import ModelRateInput
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class PocketSphinxModel:
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
                mode: str | None = None, language: str | None = None,
-               prompt: str = "") -> "PocketSphinxStream":
+               prompt: str = "", turn: Turn | None = None) -> "PocketSphinxStream":
         if checkpoint is None:
             cmn = NARROWBAND_INITIAL_CMN if sample_rate <= 8000 else self.initial_cmn
             checkpoint = {"cmn": cmn, "offset": 0, "utterance": 0, "rate": sample_rate}
@@ -157,6 +157,19 @@ class PocketSphinxStream:
             self._reset_front_end()
             return final
         return self._partial()
+
+    def finalize(self) -> list[Result]:
+        """The utterance in progress ends at the audio received so far: its final now,
+        and the stream goes on."""
+        speech = bytearray()
+        final = self._consume_frames(speech)
+        if final is None and self._in_utt:
+            self._process(speech)
+            final = self._finish(self._ep_base + self._ep_pos)
+        if final is None:
+            return []
+        self._reset_front_end()
+        return final
 
     def _consume_frames(self, speech: bytearray) -> list[Result] | None:
         """Run whole frames through the endpointer; a list (maybe empty) at an endpoint."""

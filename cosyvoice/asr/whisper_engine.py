@@ -32,6 +32,7 @@ from .. import finals
 from ..messages import Decoded, Result, handed
 from ..registry import ENGINES, WHISPER_BACKENDS
 from ..settings import Settings
+from .endpointer import Turn
 from .pocketsphinx_engine import MODEL_RATE, PocketSphinxModel
 from .whisper_rules import (  # noqa: F401 - the rules' names, as the 2-pass engine uses them
     COMPRESSION_RATIO_MAX,
@@ -326,7 +327,7 @@ class TwoPassModel:
 
     def stream(self, sample_rate: int, checkpoint: dict | None = None,
                mode: str | None = None, language: str | None = None,
-               prompt: str = "") -> TwoPassStream:
+               prompt: str = "", turn: Turn | None = None) -> TwoPassStream:
         mode = (checkpoint or {}).get("mode") or mode or self.default_mode
         if mode not in ENGINES["2pass"].modes:
             mode = self.default_mode
@@ -336,7 +337,8 @@ class TwoPassModel:
         context = finals.Context(prompt=str(checkpoint.get("prompt", ""))
                                  if checkpoint is not None else finals.next_prompt("", prompt))
         if self.live is not None and mode != "pocketsphinx":
-            first = self.live.first_pass(sample_rate, first_cp, partials=mode == "2pass")
+            first = self.live.first_pass(sample_rate, first_cp, partials=mode == "2pass",
+                                         turn=turn)
             return TwoPassStream(self, first, mode, sample_rate, context)
         ps_stream = self.ps.stream(sample_rate, first_cp)
         ps_stream.keep_audio = mode != "pocketsphinx"
@@ -375,6 +377,9 @@ class TwoPassStream:
 
     def flush(self) -> list[Decoded]:
         return self._second_pass(self._first.flush())
+
+    def finalize(self) -> list[Decoded]:
+        return self._second_pass(self._first.finalize())
 
     def close(self) -> None:
         self.context.cancelled = True  # the finals in hand are skipped

@@ -37,6 +37,7 @@
             AudioChunkProto.prototype.codec = 0;
             AudioChunkProto.prototype.opus = $util.emptyArray;
             AudioChunkProto.prototype.bitrate = 0;
+            AudioChunkProto.prototype.finalize = false;
     
             AudioChunkProto.create = function(properties) {
                 return new AudioChunkProto(properties);
@@ -66,6 +67,8 @@
                         writer.uint32(58).bytes(message.opus[i]);
                 if (message.bitrate != null && $Object.hasOwnProperty.call(message, "bitrate") && message.bitrate !== 0)
                     writer.uint32(64).uint32(message.bitrate);
+                if (message.finalize != null && $Object.hasOwnProperty.call(message, "finalize") && message.finalize !== false)
+                    writer.uint32(72).bool(message.finalize);
                 if (message.$unknowns != null && $Object.hasOwnProperty.call(message, "$unknowns"))
                     for (var i = 0; i < message.$unknowns.length; ++i)
                         writer.raw(message.$unknowns[i]);
@@ -168,6 +171,15 @@
                                 message.bitrate = value;
                             else
                                 delete message.bitrate;
+                            continue;
+                        }
+                    case 9: {
+                            if (wireType !== 0)
+                                break;
+                            if (value = reader.bool())
+                                message.finalize = value;
+                            else
+                                delete message.finalize;
                             continue;
                         }
                     }

@@ -180,9 +180,10 @@ class ExplodingModel:
     def start_stage(self, process=True):
         return None
 
-    def stream(self, sample_rate, checkpoint=None, mode=None, language=None, prompt=""):
+    def stream(self, sample_rate, checkpoint=None, mode=None, language=None, prompt="",
+               turn=None):
         real = self.real.stream(sample_rate, checkpoint, mode=mode, language=language,
-                                prompt=prompt)
+                                prompt=prompt, turn=turn)
         model = self
 
         class Stream:

@@ -1,0 +1,93 @@
+"""Turn control per session on ``/ws`` through the running service (real gateway, whisper-live
+worker processes, real Redis): finalize mid-stream, interim results off, the endpointing
+silence a session asks for, speech_started events, and bad turn settings refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from cosyvoice.client import Refused, StreamingClient, transcribe_pcm
+
+from ..helpers import joined, read_pcm, wer
+from ..launcher import wait_for
+
+pytestmark = pytest.mark.system
+
+CHUNK = 6400
+
+
+def said(result) -> list[str]:
+    return [f["text"] for f in result.finals if f["text"]]
+
+
+def test_finalize_mid_stream_gives_a_final_and_the_stream_goes_on(service):
+    sentence = read_pcm("weather")
+    half = len(sentence) // 2 // CHUNK * CHUNK
+    rest = sentence[half:] + b"\0\0" * 16000 + read_pcm("call")
+    client = StreamingClient(service.url, language="en")
+    try:
+        client.connect()
+        seq = 0
+        for i in range(0, half, CHUNK):
+            client.send(sentence[i:i + CHUNK], seq, wait_ack=True)
+            seq += 1
+        ack = client.send(b"", seq, finalize=True, wait_ack=True)  # no audio: finalize only
+        seq += 1
+        wait_for(lambda: said(client.result), timeout=30)
+        early = said(client.result)
+        for i in range(0, len(rest), CHUNK):
+            client.send(rest[i:i + CHUNK], seq, last=i + CHUNK >= len(rest), wait_ack=True)
+            seq += 1
+        assert client.wait_end(60)
+    finally:
+        client.stop()
+        client.close()
+    assert ack == {"seq": half // CHUNK}
+    assert len(early) == 1 and early[0]  # the half sentence, as a final before the rest
+    got = said(client.result)
+    assert got[0] == early[0] and len(got) >= 2
+    assert wer("please call me back in the morning", got[-1]) <= 0.15
+    assert not client.result.fatal_errors
+
+
+def test_interim_off_sends_finals_only(service):
+    pcm = joined(["weather", "coffee"])
+    plain = transcribe_pcm(service.url, pcm, 16000, pace="realtime", language="en")
+    finals_only = transcribe_pcm(service.url, pcm, 16000, pace="realtime", language="en",
+                                 interim=False)
+    assert plain.partials  # the same audio has partials when they are asked for
+    assert not finals_only.partials
+    assert said(finals_only) == said(plain)
+
+
+def test_a_short_endpointing_silence_splits_where_a_long_one_does_not(service):
+    pcm = joined(["weather", "call"], gap_s=0.8)
+    short = transcribe_pcm(service.url, pcm, 16000, pace="fast", language="en",
+                           endpoint_ms=200)
+    long = transcribe_pcm(service.url, pcm, 16000, pace="fast", language="en",
+                          endpoint_ms=1500)
+    assert len(said(short)) == 2 and len(said(long)) == 1
+    assert wer(" ".join(said(short)), said(long)[0]) <= 0.1
+
+
+def test_speech_started_comes_with_each_utterance(service):
+    got = transcribe_pcm(service.url, joined(["weather", "call"]), 16000, pace="fast",
+                         language="en", speech_events=True)
+    assert len(got.speech_started) == 2
+    for event, final in zip(got.speech_started, got.finals, strict=True):
+        assert final["start"] <= event["start"] <= final["end"]
+    plain = transcribe_pcm(service.url, read_pcm("weather"), 16000, pace="fast")
+    assert not plain.speech_started
+
+
+@pytest.mark.parametrize("auth", [{"endpoint_ms": 5}, {"endpoint_ms": "500"},
+                                  {"interim": "no"}])
+def test_bad_turn_settings_are_refused(service, auth):
+    client = StreamingClient(service.url)
+    client.options.update(auth)
+    try:
+        with pytest.raises(Refused) as err:
+            client.connect()
+    finally:
+        client.close()
+    assert err.value.code == "unauthorized"
