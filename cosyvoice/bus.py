@@ -171,6 +171,7 @@ class Bus:
         self._resume = client.register_script(scripts.RESUME)
         self._note_announcement = client.register_script(scripts.NOTE_ANNOUNCEMENT)
         self._release_conn = client.register_script(scripts.RELEASE_CONN)
+        self._touch = client.register_script(scripts.TOUCH)
         self._slot = client.register_script(scripts.SLOT)
         self._live = client.register_script(scripts.LIVE_WORKERS)
         self._admit = client.register_script(scripts.ADMIT)
@@ -461,22 +462,25 @@ class Bus:
                 for mid, fields in self._xrange(self.k.sessions, start, count)]
 
     def last_activity_ms(self, sids: list[str]) -> dict[str, int | None]:
-        """Time of each session's newest audio entry (or its creation); None if gone."""
+        """Time of each session's newest audio entry, its client's last keepalive or its
+        creation, whichever is latest; None if gone."""
         pipe = self.r.pipeline(transaction=False)
         for sid in sids:
             pipe.xrevrange(audio_key(sid), "+", "-", count=1)
-            pipe.hget(session_key(sid), "created_ms")
+            pipe.hmget(session_key(sid), ["created_ms", "alive_ms"])
         replies = pipe.execute()
         out: dict[str, int | None] = {}
         for i, sid in enumerate(sids):
-            entries, created = replies[2 * i], replies[2 * i + 1]
+            entries, (created, alive) = replies[2 * i], replies[2 * i + 1]
+            times = [int(t) for t in (created, alive) if t is not None]
             if entries:
-                out[sid] = int(entries[0][0].decode().split("-")[0])
-            elif created is not None:
-                out[sid] = int(created)
-            else:
-                out[sid] = None
+                times.append(int(entries[0][0].decode().split("-")[0]))
+            out[sid] = max(times) if times else None
         return out
+
+    def touch_session(self, sid: str) -> None:
+        """The session's client is there (a keepalive): the sweeper counts it as activity."""
+        self._touch(keys=[session_key(sid)], args=[int(time.time() * 1000)])
 
     def sweep_session(self, sid: str, msg_id: str) -> None:
         """Delete an abandoned session: trim its streams first, then every key."""

@@ -535,6 +535,11 @@ class StreamingClient:
         self._done.wait(timeout)
         return self.result.ended
 
+    def keepalive(self, timeout: float = 10.0) -> dict | None:
+        """Tell the server the client is there while it sends no audio (the session's idle
+        timeout starts again)."""
+        return self.sio.call("keepalive", namespace=NAMESPACE, timeout=timeout)
+
     def stop(self) -> dict | None:
         try:
             return self.sio.call("stop", namespace=NAMESPACE, timeout=5)

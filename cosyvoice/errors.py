@@ -84,6 +84,10 @@ class SessionExpired(CosyvoiceError):
     code = "session_expired"
 
 
+class IdleTimeout(CosyvoiceError):
+    code = "idle_timeout"
+
+
 class Unavailable(CosyvoiceError):
     code = "unavailable"
 
@@ -96,5 +100,5 @@ ERROR_CODES = tuple(
     cls.code
     for cls in (BadChunk, BadPacket, TooLarge, SeqGap, UnsupportedRate, UnsupportedMode,
                 UnsupportedLanguage, UnsupportedCodec, RateLimited, Overloaded, Unauthorized,
-                SessionExpired, Unavailable, Internal)
+                SessionExpired, IdleTimeout, Unavailable, Internal)
 )

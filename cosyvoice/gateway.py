@@ -25,6 +25,7 @@ from . import bus as busmod
 from .errors import (
     BadChunk,
     CosyvoiceError,
+    IdleTimeout,
     Internal,
     Overloaded,
     RateLimited,
@@ -130,6 +131,10 @@ class Connection:
     # the session's settings its worker reads, as stored in its hash (``language``,
     # ``script``, ``format``)
     options: dict[str, str] = field(default_factory=dict)
+    # when the client last sent a chunk or a keepalive (monotonic), and whether it sent
+    # its last chunk: the idle timeout's clock
+    heard: float = field(default_factory=time.monotonic)
+    ended: bool = False
 
 
 
@@ -143,6 +148,9 @@ class Gateway:
         self.bus = busmod.Bus(client, settings.stream_maxlen)
         self.writer = ChunkWriter(self.bus)
         self.relay = ResultRelay(client, self.bus, start=relay_results)
+        # the idle timeout's watcher (not in in-process tests, where nothing runs the hub)
+        if relay_results and settings.idle_timeout_s > 0:
+            gevent.spawn(self.watch_idle)
         self.connections: dict[str, Connection] = {}
         # Session modes the workers' engine offers (auth ``mode``); the first is the default.
         self.modes = ENGINES[settings.engine].modes
@@ -161,6 +169,7 @@ class Gateway:
         # handler uses. Errors are handled inside, as on_handler_error does for the rest.
         self.socketio.server.on("audio_chunk", self.on_audio_chunk, namespace=NAMESPACE)
         on("stop", namespace=NAMESPACE)(self.on_stop)
+        on("keepalive", namespace=NAMESPACE)(self.on_keepalive)
         on("*", namespace=NAMESPACE)(self.on_unknown_event)
         self.socketio.on_error(NAMESPACE)(self.on_handler_error)
 
@@ -373,6 +382,8 @@ class Gateway:
         """python-socketio handler (no Flask request context): the ack, or an error."""
         arrival_s = time.monotonic()
         conn = self.connections.get(socket_id)
+        if conn is not None:
+            conn.heard = arrival_s
         try:
             if conn is None or conn.stopped:
                 raise SessionExpired("this connection has no active session")
@@ -381,6 +392,7 @@ class Gateway:
             self._check_limits(conn, chunk)
             conn.rate = chunk.sample_rate
             ack = self.store(conn, chunk, data)
+            conn.ended = conn.ended or chunk.last
             if "duplicate" not in ack:
                 metrics.count_audio(chunk.codec, len(data), chunk.duration_s)
                 self._judge(conn, chunk, len(data), arrival_s, socket_id)
@@ -428,6 +440,41 @@ class Gateway:
             return {"stopped": False}
         log.info("session stopped", extra={"session": conn.session, "event": "stop"})
         return {"stopped": True, "session": conn.session}
+
+    def on_keepalive(self, data=None):
+        """The client is there though it sends no audio now: the idle timeout starts
+        again, and the sweeper sees the session as alive."""
+        conn = self.connections.get(current_socket_id())
+        if conn is None or conn.stopped:
+            return {"ok": False}
+        conn.heard = time.monotonic()
+        try:
+            self.bus.touch_session(conn.session)
+        except redis.RedisError as exc:
+            metrics.REDIS_ERRORS.inc()
+            log.warning("keepalive of %s not stored: %s", conn.session, exc)
+        return {"ok": True}
+
+    def watch_idle(self) -> None:
+        """End the sessions of connections idle for ``idle_timeout_s`` (a greenlet)."""
+        timeout = self.settings.idle_timeout_s
+        while True:
+            gevent.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            for socket_id, conn in list(self.connections.items()):
+                if not (conn.stopped or conn.ended) and now - conn.heard > timeout:
+                    self._end_idle(socket_id, conn, timeout)
+
+    def _end_idle(self, socket_id: str, conn: Connection, timeout: float) -> None:
+        self._emit_error(IdleTimeout(f"no audio and no keepalive for {timeout:g} s; the "
+                                     f"session ended"), socket_id)
+        try:
+            self.close_session(conn, socket_id)
+        except redis.RedisError as exc:
+            metrics.REDIS_ERRORS.inc()
+            log.warning("idle session %s not deleted: %s", conn.session, exc)
+        log.info("session idle", extra={"session": conn.session, "event": "idle"})
+        self.socketio.server.disconnect(socket_id, namespace=NAMESPACE)
 
     def close_session(self, conn: Connection, output_id: str) -> None:
         """The session is over for its client: its results stop, its keys and client

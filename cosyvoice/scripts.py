@@ -31,6 +31,7 @@ assert SPUBLISH.count("SPUBLISH") == 1
 RESUME = source("resume")
 NOTE_ANNOUNCEMENT = source("note_announcement")
 RELEASE_CONN = source("release_conn")
+TOUCH = source("touch")
 SLOT = source("slot")
 # leases
 RENEW = source("renew")

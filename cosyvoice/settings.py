@@ -198,6 +198,10 @@ class Settings:
     trusted_proxies: int = 0
     # Sessions whose audio stream saw no new entry for this long are deleted by the sweeper.
     sweep_idle_s: float = 300.0
+    # A connected client that sends neither audio nor `keepalive` for this long (and has
+    # not sent its last chunk) gets `idle_timeout`: its session ends and it is
+    # disconnected (docs/protocol.md, "Keep-alive"). 0: never.
+    idle_timeout_s: float = 60.0
     # How long a client told `overloaded` should wait before it tries again.
     overload_retry_ms: int = 2000
     # The largest upload POST /v1/audio/transcriptions takes (OpenAI's limit: 25 MB);
@@ -366,6 +370,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "trusted_proxies": _at_least(0),
     "sweep_idle_s": _more_than(0),
     "overload_retry_ms": _at_least(0),
+    "idle_timeout_s": _at_least(0),
     "max_upload_mb": _at_least(1),
     "log_level": (is_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
 }

@@ -130,3 +130,22 @@ def test_the_sweeper_deletes_sessions_nobody_will_end(redis_client):
     assert redis_client.exists(keys.audio_key(fresh))
     assert abandoned not in [a.sid for a in bus.announcements()]
     bus.delete_session(fresh)
+
+
+@pytest.mark.fast
+def test_a_kept_alive_session_is_not_swept_and_a_deleted_one_stays_deleted(redis_client):
+    """A client's keepalive counts as activity for the sweeper; a keepalive that comes
+    after its session was deleted does not bring the session's hash back."""
+    bus = busmod.Bus(redis_client)
+    kept = "keptalive000000000000000"
+    bus.create_session(kept, 16000)
+    bus.announce(kept)
+    bus.append_chunks([(kept, 0, encode_chunk(b"\0\0" * 3200, 0), 16000, False)])
+    time.sleep(0.6)
+    bus.touch_session(kept)  # no audio for 0.6 s, but the client said it is there
+    sweeper.sweep(bus, "sweeper-test", idle_s=0.5, force=True)
+    assert redis_client.exists(keys.session_key(kept))
+    assert kept in [a.sid for a in bus.announcements()]
+    bus.delete_session(kept)
+    bus.touch_session(kept)
+    assert not redis_client.exists(keys.session_key(kept))

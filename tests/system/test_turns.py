@@ -1,14 +1,19 @@
 """Turn control per session on ``/ws`` through the running service (real gateway, whisper-live
 worker processes, real Redis): finalize mid-stream, interim results off, the endpointing
-silence a session asks for, speech_started events, and bad turn settings refused."""
+silence a session asks for, speech_started events, bad turn settings refused, and the idle
+timeout with keep-alive."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from cosyvoice import bus as busmod
 from cosyvoice.client import Refused, StreamingClient, transcribe_pcm
 
-from ..helpers import joined, read_pcm, wer
+from .. import launcher
+from ..helpers import TEST_ENV, joined, read_pcm, wer
 from ..launcher import wait_for
 
 pytestmark = pytest.mark.system
@@ -91,3 +96,39 @@ def test_bad_turn_settings_are_refused(service, auth):
     finally:
         client.close()
     assert err.value.code == "unauthorized"
+
+
+@pytest.fixture(scope="module")
+def idle_service(module_redis, artifacts):
+    """A service whose gateway ends sessions idle for 2 s (the engine does not matter)."""
+    svc = launcher.start_service(module_redis.url, processes=1, logs=artifacts, name="idle",
+                                 env={**TEST_ENV, "COSYVOICE_ENGINE": "null",
+                                      "COSYVOICE_IDLE_TIMEOUT_S": "2"})
+    yield svc
+    svc.stop()
+
+
+def test_a_silent_client_times_out_and_a_kept_alive_one_goes_on(idle_service):
+    silent = StreamingClient(idle_service.url, reconnect=False)
+    kept = StreamingClient(idle_service.url)
+    client = busmod.connect(idle_service.redis_url)
+    try:
+        silent.connect()
+        kept.connect()
+        acks = []
+        deadline = time.monotonic() + 5  # more than twice the timeout
+        while time.monotonic() < deadline:
+            acks.append(kept.keepalive())
+            time.sleep(0.5)
+        wait_for(lambda: silent.result.errors, timeout=10)
+        gone = busmod.Bus(client).session_info(silent.result.session)
+        kept.stream_pcm(read_pcm("weather"), 16000, "fast")
+        assert kept.wait_end(30)
+    finally:
+        for c in (silent, kept):
+            c.close()
+        client.close()
+    assert [e["code"] for e in silent.result.errors] == ["idle_timeout"]
+    assert gone == {}  # the silent client's session was ended, its data deleted
+    assert acks and all(a == {"ok": True} for a in acks)
+    assert not kept.result.errors and kept.result.ended
