@@ -245,17 +245,17 @@ def cmd_gateway(settings: Settings) -> int:
     from gevent import monkey
     monkey.patch_all()
     from gevent import pywsgi
-    from geventwebsocket.handler import WebSocketHandler
 
     from . import logs
     from .webui import create_app
+    from .wshandler import Handler
 
     logs.setup(settings.log_level)
     if not settings.redis_url:
         raise CliError(EXIT_USAGE, "set COSYVOICE_REDIS_URL or --redis-url")
     app = create_app(settings)
     server = pywsgi.WSGIServer((settings.host, settings.port), app,
-                               handler_class=WebSocketHandler, log=None)
+                               handler_class=Handler, log=None)
     try:
         server.init_socket()
     except OSError as exc:

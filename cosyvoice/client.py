@@ -192,8 +192,9 @@ class Transcript:
     acks: list[dict] = field(default_factory=list)
     # (event, payload) of every switch_down / switch_up the server sent
     switches: list[tuple[str, dict]] = field(default_factory=list)
-    # speech_started events (auth.speech_events)
+    # speech_started events (auth.speech_events) and finalized ones (chunks with finalize)
     speech_started: list[dict] = field(default_factory=list)
+    finalized: list[dict] = field(default_factory=list)
     ended: bool = False
     resumes: int = 0
     # (monotonic time, event, payload) of everything received, for latency measurements.
@@ -292,6 +293,7 @@ class StreamingClient:
                     "error": self._on_error, "connect_error": self._on_connect_error,
                     "disconnect": self._on_disconnect,
                     "speech_started": self._on_speech_started,
+                    "finalized": self._on_finalized,
                     "switch_down": lambda data: self._on_switch("switch_down", data),
                     "switch_up": lambda data: self._on_switch("switch_up", data)}
         for event, handler in handlers.items():
@@ -345,6 +347,11 @@ class StreamingClient:
         with self._lock:
             self.result.speech_started.append(data)
             self._record("speech_started", data)
+
+    def _on_finalized(self, data: dict) -> None:
+        with self._lock:
+            self.result.finalized.append(data)
+            self._record("finalized", data)
 
     def _on_switch(self, event: str, data: dict) -> None:
         """The server's adaptive bitrate: the chunks sent from now on go at this rung."""

@@ -64,6 +64,13 @@ class SpeechStarted(TypedDict):
     seq: NotRequired[int]
 
 
+class Finalized(TypedDict):
+    """A ``finalize`` chunk was decoded: every result of the audio up to chunk ``seq`` was
+    published before this (whether the finalize ended an utterance or found none)."""
+    type: Literal["finalized"]
+    seq: int
+
+
 class End(TypedDict):
     """Every result of the session's ``last`` chunk has been published."""
     type: Literal["end"]
@@ -78,7 +85,7 @@ class ErrorResult(TypedDict):
     msg: str
 
 
-Published = Result | SpeechStarted | End | ErrorResult
+Published = Result | SpeechStarted | Finalized | End | ErrorResult
 
 
 def to_json(message: Published) -> str:
@@ -120,9 +127,9 @@ def to_event(session: str, result_id: str,
         return "end", EndEvent(session=session, id=result_id)
     if message["type"] == "error":
         return "error", ErrorEvent(code=message["code"], msg=message["msg"])
-    if message["type"] == "speech_started":
-        started: Any = {**message, "id": result_id}
-        return "speech_started", started
+    if message["type"] in ("speech_started", "finalized"):
+        marker: Any = {**message, "id": result_id}
+        return message["type"], marker
     text: Any = {**message, "id": result_id}
     return "text", text
 

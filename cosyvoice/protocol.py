@@ -17,7 +17,7 @@ from .errors import BadChunk, BadPacket, TooLarge, UnsupportedCodec, Unsupported
 # The Socket.IO namespace of the streaming protocol.
 NAMESPACE = "/ws"
 # Sample rates a session may stream at: every engine's front end resamples them exactly.
-SUPPORTED_RATES = (8000, 16000, 48000)
+SUPPORTED_RATES = (8000, 16000, 24000, 48000)
 # Field tags and varint lengths around the PCM: a generous bound for the envelope.
 _ENVELOPE_BYTES = 64
 _UINT32_MAX = 2**32 - 1

@@ -1,6 +1,6 @@
 """The gateway's Flask app: the page, its assets, the probes and the Socket.IO server.
 
-Run it under gunicorn's GeventWebSocketWorker
+Run it under gunicorn's GeventWebSocketWorker (``cosyvoice.wshandler.Worker``)
 (``gunicorn -c gunicorn.conf.py cosyvoice.webui:app``) or with ``cosyvoice gateway``;
 either way gevent has patched the standard library before this module is imported. The
 Socket.IO handlers are ``cosyvoice/gateway.py``'s; other faces (routes of their own over
@@ -34,7 +34,7 @@ CONTENT_SECURITY_POLICY = (
 # The faces beside Socket.IO, as "module:function": each function is called with the app
 # and the gateway (its sessions, admission, limits, relay and metrics) and adds its
 # routes: OpenAI's transcription API (docs/openai.md).
-FACES: tuple[str, ...] = ("cosyvoice.openai_api:install",)
+FACES: tuple[str, ...] = ("cosyvoice.openai_api:install", "cosyvoice.realtime_api:install")
 
 
 def install_faces(app: Flask, gateway: Gateway, faces: Sequence[str]) -> None:

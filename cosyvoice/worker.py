@@ -21,7 +21,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, cast
 
 import redis
 
@@ -33,7 +33,7 @@ from .asr.scheduler import Load
 from .backoff import Backoff
 from .chunk_pb import AudioChunkProto
 from .codecs import SAMPLE_WIDTH, SessionAudio
-from .messages import Checkpoint, Decoded, End, ErrorResult, TextRule
+from .messages import Checkpoint, Decoded, End, ErrorResult, Finalized, Result, TextRule
 from .outbox import Outbox, Ready, entry_results
 from .protocol import parse_stored
 from .registry import ENGINES
@@ -337,7 +337,9 @@ class Worker:
             if msg.last:
                 decoded += s.stream.flush()
             elif msg.finalize:
-                decoded += s.stream.finalize()
+                # every result of the audio so far, then the marker that says so
+                decoded += [*s.stream.finalize(),
+                            cast(Result, Finalized(type="finalized", seq=msg.seq))]
             results, checkpoint = entry_results(sid, entry_id, msg.seq, msg.last, decoded,
                                                 lambda: s.stream.checkpoint)
             s.position, s.next_seq = entry_id, msg.seq + 1

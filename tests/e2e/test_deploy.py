@@ -15,6 +15,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import psutil
 import pytest
@@ -241,6 +242,32 @@ def test_openai_clients_transcribe_files_through_nginx(stack, tmp_path):
     assert done.type == "transcript.text.done" and done.text == r.text
     assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == r.text
     assert err.value.status_code == 413 and err.value.code == "file_too_large"
+
+
+def test_openai_realtime_clients_stream_through_nginx(stack):
+    """The stock ``openai`` realtime client over wss through nginx: server VAD gives the
+    sentence as a completed item."""
+    import base64
+
+    import openai
+
+    from cosyvoice.codecs import resample
+
+    audio = resample(read_pcm("weather") + b"\0\0" * 16000, 16000, 24000)
+    tls = ssl.create_default_context(cafile=stack.nginx.ca)
+    with openai.OpenAI(base_url=stack.nginx.url + "/v1", api_key="unused",
+                       websocket_base_url=stack.nginx.url.replace("https", "wss", 1) + "/v1",
+                       max_retries=0) as client, client.realtime.connect(
+            extra_query={"intent": "transcription"},
+            # passed on to websockets' connect; the SDK's type names fewer options
+            websocket_connection_options=cast(Any, {"ssl": tls})) as conn:
+        assert conn.recv().type == "session.created"
+        for i in range(0, len(audio), 4800):
+            conn.input_audio_buffer.append(audio=base64.b64encode(audio[i:i + 4800]).decode())
+        done = next(e for e in conn
+                    if e.type == "conversation.item.input_audio_transcription.completed")
+    assert wer(TEXTS["weather"], done.transcript) <= wer(
+        TEXTS["weather"], direct_decode(read_pcm("weather"))) + 0.01
 
 
 def test_plain_http_redirects_to_https(stack):

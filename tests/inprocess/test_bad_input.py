@@ -205,7 +205,7 @@ def test_the_session_event_offers_the_codecs_and_echoes_the_choice(app):
     session = _session(c)
     assert (session["codec"], session["bitrate"]) == ("opus", 16000)
     offer = session["limits"]["codecs"]
-    assert offer["pcm16"] == {"sample_rates": [8000, 16000, 48000]}
+    assert offer["pcm16"] == {"sample_rates": [8000, 16000, 24000, 48000]}
     assert offer["opus"] == {"sample_rate": 16000, "frame_ms": 20,
                              "bitrates": list(Settings().opus_bitrate_list)}
     c.disconnect(NAMESPACE)
@@ -330,7 +330,7 @@ protobuf_like = st.one_of(
     st.builds(lambda pcm, seq, last, rate, sent: encode_chunk(pcm, seq, last=last,
                                                               sample_rate=rate, sent_ms=sent),
               st.binary(max_size=400), st.integers(0, 2**32 - 1), st.booleans(),
-              st.sampled_from([0, 8000, 16000, 48000, 44100, 1, 2**32 - 1]),
+              st.sampled_from([0, 8000, 16000, 24000, 48000, 44100, 1, 2**32 - 1]),
               st.integers(0, 2**64 - 1)),
     st.builds(lambda a, b: a + b, st.binary(max_size=20), st.binary(max_size=20)),
     st.builds(lambda packets, seq, last, rate: encode_opus_chunk(packets, seq, bitrate=rate,
@@ -350,7 +350,7 @@ def test_fuzz_chunk_validator_only_raises_documented_errors(payload):
         assert err.code in ERROR_CODES and err.code != "internal"
         return
     assert isinstance(chunk.pcm, bytes) and len(chunk.pcm) % 2 == 0
-    assert chunk.sample_rate in (8000, 16000, 48000)
+    assert chunk.sample_rate in (8000, 16000, 24000, 48000)
     assert len(chunk.pcm) <= chunk.sample_rate * 2
     assert 0 <= chunk.audio_ms <= 1000
     assert chunk.codec == "pcm16" or (not chunk.pcm and chunk.sample_rate == 16000)
@@ -369,7 +369,7 @@ auth_values = st.one_of(
     st.none(), st.booleans(), st.text(max_size=30), st.lists(json_values, max_size=3),
     st.dictionaries(st.text(max_size=10), json_values, max_size=4),
     st.fixed_dictionaries({}, optional={
-        "sample_rate": st.one_of(st.sampled_from([8000, 16000, 48000]), json_values),
+        "sample_rate": st.one_of(st.sampled_from([8000, 16000, 24000, 48000]), json_values),
         "session": st.one_of(st.text(alphabet="0123456789abcdef", min_size=24, max_size=24),
                              json_values),
         "last_result": st.one_of(st.from_regex(r"\A\d{1,13}-\d{1,3}\Z"), json_values),

@@ -38,7 +38,8 @@ def test_finalize_mid_stream_gives_a_final_and_the_stream_goes_on(service):
             seq += 1
         ack = client.send(b"", seq, finalize=True, wait_ack=True)  # no audio: finalize only
         seq += 1
-        wait_for(lambda: said(client.result), timeout=30)
+        # the finalized event comes after every result of the audio so far
+        wait_for(lambda: client.result.finalized, timeout=30)
         early = said(client.result)
         for i in range(0, len(rest), CHUNK):
             client.send(rest[i:i + CHUNK], seq, last=i + CHUNK >= len(rest), wait_ack=True)
@@ -48,11 +49,28 @@ def test_finalize_mid_stream_gives_a_final_and_the_stream_goes_on(service):
         client.stop()
         client.close()
     assert ack == {"seq": half // CHUNK}
+    assert [f["seq"] for f in client.result.finalized] == [half // CHUNK]
     assert len(early) == 1 and early[0]  # the half sentence, as a final before the rest
     got = said(client.result)
     assert got[0] == early[0] and len(got) >= 2
     assert wer("please call me back in the morning", got[-1]) <= 0.15
     assert not client.result.fatal_errors
+
+
+def test_a_finalize_where_no_one_speaks_gives_only_its_finalized_event(service):
+    client = StreamingClient(service.url)
+    try:
+        client.connect()
+        silence = read_pcm("silence")[:5 * CHUNK]
+        for seq in range(5):
+            client.send(silence[seq * CHUNK:(seq + 1) * CHUNK], seq, wait_ack=True)
+        client.send(b"", 5, finalize=True, wait_ack=True)
+        wait_for(lambda: client.result.finalized, timeout=30)
+    finally:
+        client.stop()
+        client.close()
+    assert [f["seq"] for f in client.result.finalized] == [5]
+    assert not client.result.finals and not client.result.errors
 
 
 def test_interim_off_sends_finals_only(service):

@@ -81,10 +81,10 @@ def test_the_session_event_says_where_to_go_on_and_the_limits():
                      "chunk_ms": 200, "mode": "pocketsphinx", "codec": "opus", "bitrate": 24000,
                      "language": "zh", "script": "hant", "format": True,
                      "abr": False,
-                     "limits": {"max_chunk_ms": 800, "sample_rates": [8000, 16000, 48000],
+                     "limits": {"max_chunk_ms": 800, "sample_rates": [8000, 16000, 24000, 48000],
                                 "grace_s": 5.0, "max_session_s": 14400.0,
                                 "rate_limit_factor": 2.0,
-                                "codecs": {"pcm16": {"sample_rates": [8000, 16000, 48000]},
+                                "codecs": {"pcm16": {"sample_rates": [8000, 16000, 24000, 48000]},
                                            "opus": {"sample_rate": 16000, "frame_ms": 20,
                                                     "bitrates": [24000, 16000]}}}}
 

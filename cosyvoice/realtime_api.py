@@ -1,0 +1,552 @@
+"""OpenAI's Realtime transcription face: ``/v1/realtime?intent=transcription``, a raw
+WebSocket beside Socket.IO on the gateway's port (docs/openai.md, "Realtime").
+
+A connection speaks OpenAI's Realtime events (JSON text frames) over cosyvoice sessions:
+``input_audio_buffer.append`` audio (base64 16-bit PCM at 24 kHz, the API's rate) goes into
+a session as 200 ms chunks, the session's results come back as
+``input_audio_buffer.speech_started``/``speech_stopped``/``committed`` and
+``conversation.item.input_audio_transcription.delta``/``completed``, one item per
+utterance. The session is opened at the first audio with the configuration
+``session.update`` set by then (language, prompt, turn detection); a change of those once
+audio went in ends that session (its results still come) and the next audio opens one with
+the new configuration. Turn detection maps onto turn control: ``server_vad``'s
+``silence_duration_ms`` is the session's endpointing silence and its ``speech_started``
+events the VAD's; with ``turn_detection: null`` only ``input_audio_buffer.commit`` ends a
+turn (a chunk with ``finalize``), and the ``finalized`` marker that follows completes it.
+
+Bad events get an ``error`` event and the connection goes on; a refused session
+(admission, limits) or a store that fails gets an ``error`` and the connection closes
+(1013 when full: try again later). A bad key is refused with 401 before the upgrade
+(cosyvoice/wshandler.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import gevent
+import gevent.lock
+import redis
+from flask import Flask, Response, request
+from geventwebsocket.exceptions import WebSocketError
+
+from . import metrics, tokens
+from .codecs import CHUNK_MS
+from .errors import CosyvoiceError, Overloaded, Unauthorized
+from .gateway import Connection, Gateway
+from .languages import join_texts
+from .limits import MAX_PROMPT_CHARS, parse_auth
+from .messages import Published
+from .openai_api import ApiError
+from .outputs import QueueOutput
+from .protocol import decode_chunk, encode_chunk
+from .wshandler import PRECHECKS, SUBPROTOCOLS, Refusal
+
+log = logging.getLogger(__name__)
+
+PATH = "/v1/realtime"
+RATE = 24000  # the Realtime API's PCM rate
+CHUNK_BYTES = RATE * 2 * CHUNK_MS // 1000
+MAX_EVENT_CHARS = 2 * 1024 * 1024  # one event's JSON text (about 1.5 MB of audio)
+MIN_COMMIT_MS = 100  # OpenAI's: a commit of less audio is an error
+DEFAULT_SILENCE_MS = 500  # server_vad's default silence_duration_ms
+MANUAL_SILENCE_MS = 5000  # turn_detection null: the endpointer's longest silence
+KEY_PROTOCOL = "openai-insecure-api-key."  # a browser's key, as a subprotocol
+
+
+def install(app: Flask, gateway: Gateway) -> None:
+    PRECHECKS[PATH] = lambda environ: precheck(gateway, environ)
+    SUBPROTOCOLS[PATH] = ("realtime",)
+    # Werkzeug matches a WebSocket request only to a rule that says it is one; the plain
+    # GET answers 426
+    app.add_url_rule(PATH, "openai_realtime", lambda: connect(gateway), websocket=True)
+    app.add_url_rule(PATH, "openai_realtime_http", lambda: connect(gateway))
+
+
+def _refusal(status: str, message: str, code: str | None) -> Refusal:
+    body = json.dumps(ApiError(int(status[:3]), message, code=code).body()).encode()
+    return status, [("Content-Type", "application/json")], body
+
+
+def precheck(gateway: Gateway, environ: dict) -> Refusal | None:
+    """Before the upgrade: a transcription session, and the key where one is needed."""
+    from urllib.parse import parse_qs
+
+    query = parse_qs(environ.get("QUERY_STRING", ""))
+    if query.get("intent", ["transcription"])[0] != "transcription":
+        return _refusal("400 Bad Request", "only transcription sessions are served here: "
+                        "connect with ?intent=transcription", "invalid_intent")
+    settings = gateway.settings
+    if not settings.auth_secret:
+        return None
+    scheme, _, key = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+    if scheme.lower() != "bearer":
+        key = next((p.strip()[len(KEY_PROTOCOL):] for p in
+                    environ.get("HTTP_SEC_WEBSOCKET_PROTOCOL", "").split(",")
+                    if p.strip().startswith(KEY_PROTOCOL)), "")
+    try:
+        tokens.verify(settings.auth_secret, key.strip() or None, settings.token_ttl_s)
+    except Unauthorized as err:
+        return _refusal("401 Unauthorized", err.msg, "invalid_api_key")
+    return None
+
+
+def connect(gateway: Gateway):
+    ws = request.environ.get("wsgi.websocket")
+    if ws is None:
+        return ApiError(426, "this is a WebSocket endpoint: upgrade the connection",
+                        code="upgrade_required").response()
+    Realtime(gateway, ws).run()
+    return Response()
+
+
+class EventError(Exception):
+    """A client event that cannot be done: an ``error`` event, the connection goes on."""
+
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None):
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
+
+
+@dataclass
+class Config:
+    """A Realtime transcription session's configuration, as ``session.update`` set it."""
+    model: str = "whisper-1"
+    language: str | None = None
+    prompt: str = ""
+    vad: dict[str, Any] | None = field(default_factory=lambda: {
+        "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+        "silence_duration_ms": DEFAULT_SILENCE_MS})
+    include: list[str] = field(default_factory=list)
+
+    def session_auth(self) -> dict[str, Any]:
+        """The cosyvoice session this configuration asks for (its ``auth``)."""
+        auth: dict[str, Any] = {"sample_rate": RATE}
+        if self.language:
+            auth["language"] = self.language
+        if self.prompt:
+            auth["prompt"] = self.prompt[-MAX_PROMPT_CHARS:]
+        if self.vad is None:
+            auth.update(endpoint_ms=MANUAL_SILENCE_MS, interim=False)
+        else:
+            silence = int(self.vad.get("silence_duration_ms") or DEFAULT_SILENCE_MS)
+            auth.update(endpoint_ms=min(5000, max(10, silence)), speech_events=True,
+                        interim=False)
+        return auth
+
+    def ga(self, session_id: str) -> dict[str, Any]:
+        return {"type": "transcription", "id": session_id,
+                "object": "realtime.transcription_session",
+                "audio": {"input": {
+                    "format": {"type": "audio/pcm", "rate": RATE},
+                    "transcription": {"model": self.model, "language": self.language,
+                                      "prompt": self.prompt},
+                    "turn_detection": self.vad, "noise_reduction": None}},
+                "include": self.include}
+
+    def beta(self, session_id: str) -> dict[str, Any]:
+        return {"id": session_id, "object": "realtime.transcription_session",
+                "input_audio_format": "pcm16",
+                "input_audio_transcription": {"model": self.model, "language": self.language,
+                                              "prompt": self.prompt},
+                "turn_detection": self.vad, "input_audio_noise_reduction": None,
+                "include": self.include}
+
+
+@dataclass
+class Segment:
+    """One cosyvoice session under the connection (a new one after a configuration change)."""
+    conn: Connection
+    base_ms: float  # audio of the connection before this session
+    manual: bool  # turn_detection null: commits end the turns
+    seq: int = 0
+    ending: bool = False  # its last chunk went in
+
+
+@dataclass
+class Item:
+    id: str
+    texts: list[str] = field(default_factory=list)
+    languages: list[str | None] = field(default_factory=list)
+    start_ms: float = 0.0
+    seconds: float = 0.0  # a commit's audio
+
+    def add(self, text: str, language: str | None) -> str:
+        """The delta that adds ``text``: the item's transcript grows by exactly it."""
+        before = join_texts(self.texts, self.languages)
+        self.texts.append(text)
+        self.languages.append(language)
+        return join_texts(self.texts, self.languages)[len(before):]
+
+    @property
+    def transcript(self) -> str:
+        return join_texts(self.texts, self.languages)
+
+
+class Output(QueueOutput):
+    """The results of every session of one connection, each with its session."""
+
+    def send(self, session: str, result_id: str, message: Published) -> None:
+        self._queue.put((session, message))
+
+
+class Realtime:
+    def __init__(self, gateway: Gateway, ws):
+        self.gateway = gateway
+        self.ws = ws
+        self.id = "sess_" + secrets.token_hex(10)
+        self.config = Config()
+        self.output = Output(self.id)
+        self._send_lock = gevent.lock.Semaphore()
+        self.segment: Segment | None = None
+        self.segments: dict[str, Segment] = {}
+        self.pending = bytearray()  # audio not yet in a chunk
+        self.audio_ms = 0.0  # audio of the connection that went into sessions
+        self.since_commit_ms = 0.0
+        self.open_items: deque[Item] = deque()  # speech started, no final yet (server_vad)
+        self.commits: deque[tuple[str, int, Item]] = deque()  # (session, finalize seq, item)
+        self.loose: list[tuple[str, str | None]] = []  # manual: finals before their commit
+        self.previous: str | None = None
+        self.closed = False
+
+    # ---- the connection ---------------------------------------------------------------
+
+    def run(self) -> None:
+        self.send({"type": "session.created", "session": self.config.ga(self.id)})
+        relay = gevent.spawn(self.relay)
+        try:
+            while not self.closed:
+                try:
+                    frame = self.ws.receive()
+                except WebSocketError:
+                    break
+                if frame is None:
+                    break
+                self.handle(frame)
+        finally:
+            self.closed = True
+            relay.kill()
+            for segment in list(self.segments.values()):
+                self._close(segment)
+
+    def send(self, event: dict[str, Any]) -> None:
+        event = {"event_id": "event_" + secrets.token_hex(8), **event}
+        with self._send_lock:
+            if self.closed and event["type"] != "error":
+                return
+            try:
+                self.ws.send(json.dumps(event, ensure_ascii=False))
+            except WebSocketError:
+                self.closed = True
+
+    def error(self, message: str, code: str, param: str | None = None,
+              event_id: str | None = None, kind: str = "invalid_request_error") -> None:
+        self.send({"type": "error", "error": {"type": kind, "code": code, "message": message,
+                                              "param": param, "event_id": event_id}})
+
+    def fail(self, err: CosyvoiceError, close_code: int) -> None:
+        """A session refused or failed: say so and close the connection."""
+        self.error(err.msg, err.code, kind="server_error")
+        self.closed = True
+        try:
+            self.ws.close(close_code, err.msg[:120])
+        except WebSocketError:
+            pass
+
+    # ---- client events ----------------------------------------------------------------
+
+    def handle(self, frame: str | bytes) -> None:
+        if not isinstance(frame, str):
+            self.error("events are JSON text frames", "invalid_event")
+            return
+        if len(frame) > MAX_EVENT_CHARS:
+            self.error(f"an event is at most {MAX_EVENT_CHARS} characters", "event_too_large")
+            return
+        try:
+            event = json.loads(frame)
+        except ValueError:
+            self.error("the frame is not JSON", "invalid_json")
+            return
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            self.error("an event is a JSON object with a type", "invalid_event")
+            return
+        event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+        handler = {
+            "session.update": self.on_session_update,
+            "transcription_session.update": self.on_session_update,
+            "input_audio_buffer.append": self.on_append,
+            "input_audio_buffer.commit": self.on_commit,
+            "input_audio_buffer.clear": self.on_clear,
+        }.get(event["type"])
+        try:
+            if handler is None:
+                raise EventError(f"unknown event type {event['type'][:64]!r}",
+                                 "unknown_event_type", "type")
+            handler(event)
+        except EventError as err:
+            self.error(err.message, err.code, err.param, event_id)
+        except CosyvoiceError as err:
+            self.fail(err, 1013 if isinstance(err, Overloaded) else 1011)
+        except redis.RedisError as exc:
+            metrics.REDIS_ERRORS.inc()
+            log.warning("realtime session store failed: %s", exc)
+            self.error("the session store is unreachable", "unavailable", kind="server_error")
+            self.closed = True
+
+    def on_session_update(self, event: dict) -> None:
+        beta = event["type"] == "transcription_session.update"
+        session = event.get("session")
+        if not isinstance(session, dict):
+            raise EventError("session must be an object", param="session")
+        config = Config(**vars(self.config))
+        if beta:
+            self._update_beta(config, session)
+        else:
+            self._update_ga(config, session)
+        changed = config.session_auth() != self.config.session_auth()
+        self.config = config
+        if changed and self.segment is not None:
+            self._end_segment()  # its results still come; the next audio opens a new one
+        self.send({"type": "transcription_session.updated" if beta else "session.updated",
+                   "session": config.beta(self.id) if beta else config.ga(self.id)})
+
+    def _update_ga(self, config: Config, session: dict) -> None:
+        if session.get("type", "transcription") != "transcription":
+            raise EventError("only transcription sessions are served here",
+                             param="session.type")
+        audio = session.get("audio", {})
+        audio_in = audio.get("input", {}) if isinstance(audio, dict) else None
+        if not isinstance(audio_in, dict):
+            raise EventError("session.audio.input must be an object",
+                             param="session.audio.input")
+        if "format" in audio_in:
+            fmt = audio_in["format"]
+            if (not isinstance(fmt, dict) or fmt.get("type") != "audio/pcm"
+                    or fmt.get("rate", RATE) != RATE):
+                raise EventError("the input format is audio/pcm at 24000 Hz",
+                                 param="session.audio.input.format")
+        if "transcription" in audio_in:
+            self._transcription(config, audio_in["transcription"],
+                                "session.audio.input.transcription")
+        if "turn_detection" in audio_in:
+            config.vad = self._turn_detection(audio_in["turn_detection"],
+                                              "session.audio.input.turn_detection")
+        if "include" in session:
+            config.include = [str(i) for i in session["include"] or []]
+
+    def _update_beta(self, config: Config, session: dict) -> None:
+        if session.get("input_audio_format", "pcm16") != "pcm16":
+            raise EventError("the input format is pcm16 (24000 Hz)",
+                             param="session.input_audio_format")
+        if "input_audio_transcription" in session:
+            self._transcription(config, session["input_audio_transcription"],
+                                "session.input_audio_transcription")
+        if "turn_detection" in session:
+            config.vad = self._turn_detection(session["turn_detection"],
+                                              "session.turn_detection")
+        if "include" in session:
+            config.include = [str(i) for i in session["include"] or []]
+
+    def _transcription(self, config: Config, t: Any, param: str) -> None:
+        if t is None:
+            return
+        if not isinstance(t, dict):
+            raise EventError("transcription must be an object", param=param)
+        if isinstance(t.get("model"), str):
+            config.model = t["model"]
+        language = t.get("language") or None
+        if language is not None and language not in self.gateway.languages:
+            raise EventError(f"language {str(language)[:16]!r} is not offered on this server",
+                             "unsupported_language", param + ".language")
+        config.language = language
+        prompt = t.get("prompt") or ""
+        if not isinstance(prompt, str):
+            raise EventError("prompt must be a string", param=param + ".prompt")
+        config.prompt = prompt
+
+    def _turn_detection(self, td: Any, param: str) -> dict[str, Any] | None:
+        if td is None:
+            return None
+        if not isinstance(td, dict) or td.get("type", "server_vad") not in ("server_vad",
+                                                                           "semantic_vad"):
+            raise EventError("turn_detection is server_vad, semantic_vad or null", param=param)
+        silence = td.get("silence_duration_ms", DEFAULT_SILENCE_MS)
+        if type(silence) is not int or not 0 <= silence <= 10000:
+            raise EventError("silence_duration_ms must be an integer of milliseconds",
+                             param=param + ".silence_duration_ms")
+        return {"type": td.get("type", "server_vad"),
+                "threshold": td.get("threshold", 0.5),
+                "prefix_padding_ms": td.get("prefix_padding_ms", 300),
+                "silence_duration_ms": silence}
+
+    def on_append(self, event: dict) -> None:
+        audio = event.get("audio")
+        if not isinstance(audio, str):
+            raise EventError("audio must be a base64 string", param="audio")
+        try:
+            pcm = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise EventError("audio is not valid base64", param="audio") from None
+        self.pending += pcm
+        self.since_commit_ms += len(pcm) / 2 / RATE * 1000
+        segment = self._segment()
+        while len(self.pending) >= CHUNK_BYTES:
+            chunk = bytes(self.pending[:CHUNK_BYTES])
+            del self.pending[:CHUNK_BYTES]
+            self._store(segment, chunk)
+
+    def on_commit(self, event: dict) -> None:
+        if self.since_commit_ms < MIN_COMMIT_MS:
+            raise EventError(f"buffer too small: expected at least {MIN_COMMIT_MS} ms of "
+                             f"audio, got {self.since_commit_ms:.0f} ms",
+                             "input_audio_buffer_commit_empty")
+        segment = self._segment()
+        even = len(self.pending) - len(self.pending) % 2
+        chunk = bytes(self.pending[:even])
+        del self.pending[:even]
+        seconds, self.since_commit_ms = self.since_commit_ms / 1000, 0.0
+        seq = segment.seq
+        if segment.manual:
+            item = self._new_item()
+            item.seconds = seconds
+            for text, language in self.loose:
+                item.add(text, language)
+            self.loose = []
+            self.commits.append((segment.conn.session, seq, item))
+            self._committed(item)
+            if item.texts:
+                self.send(self._delta(item, item.transcript))
+        self._store(segment, chunk, finalize=True)
+
+    def on_clear(self, event: dict) -> None:
+        self.pending.clear()
+        self.since_commit_ms = 0.0
+        self.send({"type": "input_audio_buffer.cleared"})
+
+    # ---- sessions ---------------------------------------------------------------------
+
+    def _segment(self) -> Segment:
+        if self.segment is not None:
+            return self.segment
+        try:
+            req = parse_auth(self.config.session_auth(), self.gateway.modes,
+                             self.gateway.settings.accepted_codecs, (), self.gateway.languages)
+        except CosyvoiceError as err:
+            raise EventError(err.msg, err.code) from err
+        conn = self.gateway.open_session(req, f"{self.id}-{len(self.segments)}", self.output)
+        self.segment = Segment(conn, self.audio_ms, manual=self.config.vad is None)
+        self.segments[conn.session] = self.segment
+        return self.segment
+
+    def _store(self, segment: Segment, pcm: bytes, finalize: bool = False,
+               last: bool = False) -> None:
+        conn, settings = segment.conn, self.gateway.settings
+        duration = len(pcm) / 2 / RATE
+        while conn.bucket is not None and not conn.bucket.take(duration):
+            gevent.sleep(0.05)  # faster than the rate limit: wait, as a paced client would
+        pb = encode_chunk(pcm, segment.seq, sample_rate=RATE, finalize=finalize, last=last,
+                          sent_ms=int(time.time() * 1000))
+        chunk = decode_chunk(pb, RATE, settings.max_chunk_ms, settings.accepted_codecs)
+        self.gateway.store(conn, chunk, pb)
+        metrics.count_audio(chunk.codec, len(pb), chunk.duration_s)
+        segment.seq += 1
+        self.audio_ms += duration * 1000
+
+    def _end_segment(self) -> None:
+        segment, self.segment = self.segment, None
+        if segment is None:
+            return
+        even = len(self.pending) - len(self.pending) % 2
+        chunk = bytes(self.pending[:even])
+        self.pending.clear()
+        segment.ending = True
+        self._store(segment, chunk, last=True)
+
+    def _close(self, segment: Segment) -> None:
+        self.segments.pop(segment.conn.session, None)
+        try:
+            self.gateway.close_session(segment.conn, self.output.id)
+        except redis.RedisError as exc:
+            metrics.REDIS_ERRORS.inc()
+            log.warning("realtime session %s not deleted: %s", segment.conn.session, exc)
+
+    # ---- results ----------------------------------------------------------------------
+
+    def relay(self) -> None:
+        while not self.closed:
+            got = self.output.get(1.0)
+            if got is None:
+                continue
+            session, message = got[0], cast(Any, got[1])
+            segment = self.segments.get(session)
+            if segment is None:
+                continue
+            kind = message["type"]
+            if kind == "speech_started":
+                item = self._new_item()
+                item.start_ms = segment.base_ms + message["start"] * 1000
+                self.open_items.append(item)
+                self.send({"type": "input_audio_buffer.speech_started", "item_id": item.id,
+                           "audio_start_ms": round(item.start_ms)})
+            elif kind == "final":
+                self._final(segment, message)
+            elif kind == "finalized" and segment.manual:
+                if self.commits and self.commits[0][:2] == (session, message["seq"]):
+                    _, _, item = self.commits.popleft()
+                    self._completed(item, item.seconds)
+            elif kind == "end":
+                self._close(segment)
+            elif kind == "error":
+                self.error(message["msg"], message["code"], kind="server_error")
+
+    def _final(self, segment: Segment, final: Any) -> None:
+        text = final["text"]
+        language = final.get("language")
+        if segment.manual:
+            for session, seq, item in self.commits:
+                if session == segment.conn.session and final.get("seq", 0) <= seq:
+                    if text:
+                        self.send(self._delta(item, item.add(text, language)))
+                    return
+            if text:
+                self.loose.append((text, language))
+            return
+        opened = self.open_items.popleft() if self.open_items else None
+        if opened is None and not text:
+            return
+        item = opened or self._new_item()
+        self.send({"type": "input_audio_buffer.speech_stopped", "item_id": item.id,
+                   "audio_end_ms": round(segment.base_ms + final["end"] * 1000)})
+        self._committed(item)
+        if text:
+            self.send(self._delta(item, item.add(text, language)))
+        self._completed(item, final["end"] - final["start"])
+
+    def _new_item(self) -> Item:
+        return Item("item_" + secrets.token_hex(8))
+
+    def _committed(self, item: Item) -> None:
+        self.send({"type": "input_audio_buffer.committed", "item_id": item.id,
+                   "previous_item_id": self.previous})
+        self.send({"type": "conversation.item.added", "previous_item_id": self.previous,
+                   "item": {"id": item.id, "object": "realtime.item", "type": "message",
+                            "status": "completed", "role": "user",
+                            "content": [{"type": "input_audio", "transcript": None}]}})
+        self.previous = item.id
+
+    def _delta(self, item: Item, delta: str) -> dict[str, Any]:
+        return {"type": "conversation.item.input_audio_transcription.delta",
+                "item_id": item.id, "content_index": 0, "delta": delta}
+
+    def _completed(self, item: Item, seconds: float) -> None:
+        self.send({"type": "conversation.item.input_audio_transcription.completed",
+                   "item_id": item.id, "content_index": 0, "transcript": item.transcript,
+                   "usage": {"type": "duration", "seconds": round(max(0.0, seconds), 3)}})

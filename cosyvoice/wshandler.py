@@ -1,0 +1,72 @@
+"""The gateway's WebSocket handler: gevent-websocket's, with a check before the upgrade.
+
+gevent-websocket answers every ``GET`` with ``Upgrade: websocket`` with its 101 before the
+Flask app runs, so a raw-WebSocket face (OpenAI's ``/v1/realtime``) could refuse a bad key
+only after the upgrade, where clients expect an HTTP status (the ``openai`` client raises
+its ``AuthenticationError`` on a 401 at the handshake). ``Handler`` first asks the check
+registered for the request's path (``PRECHECKS``, filled by the faces when they are
+installed): a refusal is answered as an HTTP response and nothing is upgraded. It also
+echoes a WebSocket subprotocol the face accepts (``SUBPROTOCOLS``), as browsers require.
+
+gunicorn runs it through ``Worker`` (gunicorn.conf.py), ``cosyvoice gateway`` directly.
+Socket.IO's own upgrades (``/socket.io/``) have no check and go on as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from geventwebsocket.gunicorn.workers import GeventWebSocketWorker
+from geventwebsocket.handler import WebSocketHandler
+
+# A refusal: (status line, headers, body).
+Refusal = tuple[str, list[tuple[str, str]], bytes]
+# path -> check of the request's WSGI environ: None lets the upgrade go on
+PRECHECKS: dict[str, Callable[[dict], Refusal | None]] = {}
+# path -> the subprotocols the face takes, in order of preference
+SUBPROTOCOLS: dict[str, tuple[str, ...]] = {}
+
+
+class Handler(WebSocketHandler):
+    def upgrade_websocket(self):
+        if self._is_upgrade():
+            check = PRECHECKS.get(self.environ.get("PATH_INFO", ""))
+            refused = check(self.environ) if check is not None else None
+            if refused is not None:
+                status, headers, body = refused
+                self.start_response(status, [*headers, ("Content-Length", str(len(body)))])
+                return [body]
+        return super().upgrade_websocket()
+
+    def _is_upgrade(self) -> bool:
+        return (self.environ.get("REQUEST_METHOD") == "GET"
+                and self.environ.get("HTTP_UPGRADE", "").lower() == "websocket")
+
+    def upgrade_connection(self):
+        # gevent-websocket echoes a subprotocol only through the application's
+        # ``app_protocol``; the faces name theirs here instead.
+        offered = [p.strip() for p in
+                   self.environ.get("HTTP_SEC_WEBSOCKET_PROTOCOL", "").split(",") if p.strip()]
+        taken = next((p for p in SUBPROTOCOLS.get(self.environ.get("PATH_INFO", ""), ())
+                      if p in offered), None)
+        if taken is None:
+            return super().upgrade_connection()
+        handler: Any = self  # gevent-websocket's attributes are untyped
+        start_response = handler.start_response
+
+        def with_protocol(status, headers, exc_info=None):
+            if status.startswith("101"):
+                headers = [*headers, ("Sec-WebSocket-Protocol", taken)]
+            return start_response(status, headers, exc_info)
+
+        handler.start_response = with_protocol
+        try:
+            return super().upgrade_connection()
+        finally:
+            handler.start_response = start_response
+
+
+class Worker(GeventWebSocketWorker):
+    """gunicorn's gevent WebSocket worker with ``Handler``."""
+    wsgi_handler = Handler
