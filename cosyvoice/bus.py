@@ -25,6 +25,7 @@ from .keys import (
     CLUSTER_CONTROL,
     CONTROL,
     SESSIONS_MAXLEN,
+    USAGE_TTL_S,
     WORKER_FORGET_MS,
     WORKER_GROUP,
     audio_key,
@@ -34,6 +35,7 @@ from .keys import (
     session_keys,
     sid_from_channel,
     text_key,
+    usage_key,
 )
 from .messages import Checkpoint, Published
 
@@ -476,6 +478,26 @@ class Bus:
             if entries:
                 times.append(int(entries[0][0].decode().split("-")[0]))
             out[sid] = max(times) if times else None
+        return out
+
+    def add_usage(self, day: str, seconds: Mapping[str, float]) -> None:
+        """Add audio seconds per client name to ``day``'s usage."""
+        key = usage_key(day)
+        pipe = self.r.pipeline(transaction=False)
+        for name, value in seconds.items():
+            pipe.hincrbyfloat(key, name, value)
+        pipe.expire(key, USAGE_TTL_S)
+        pipe.execute()
+
+    def usage(self, days: list[str]) -> dict[str, dict[str, float]]:
+        """day -> client name -> audio seconds, for the days that have any."""
+        pipe = self.r.pipeline(transaction=False)
+        for day in days:
+            pipe.hgetall(usage_key(day))
+        out: dict[str, dict[str, float]] = {}
+        for day, raw in zip(days, pipe.execute(), strict=True):
+            if raw:
+                out[day] = {text(k): float(v) for k, v in raw.items()}
         return out
 
     def touch_session(self, sid: str) -> None:

@@ -174,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     tok = sub.add_parser("token", parents=[common],
                          help="issue a signed client token (needs COSYVOICE_AUTH_SECRET)")
     tok.add_argument("--subject", default="client", help="who the token is for")
+    key = sub.add_parser("key", parents=[common],
+                         help="print a new API key named NAME and add its hash to "
+                              "COSYVOICE_API_KEYS_FILE (the key is not kept: copy it now)")
+    key.add_argument("name", help="whose key it is (letters, digits, '.', '_', '-')")
+    usage = sub.add_parser("usage", parents=[common],
+                           help="audio seconds each key (or token subject) sent, per day")
+    usage.add_argument("--days", type=int, default=7, help="days back from today (UTC)")
+    usage.add_argument("--json", action="store_true", help="one JSON object")
     return parser
 
 
@@ -202,6 +210,10 @@ def _run(args: argparse.Namespace) -> int:
         return cmd_serve(_settings(args))
     if args.command == "token":
         return cmd_token(_settings(args), args.subject)
+    if args.command == "key":
+        return cmd_key(_settings(args), args.name)
+    if args.command == "usage":
+        return cmd_usage(_settings(args), args.days, args.json)
     if args.command == "model":
         return cmd_model(_settings(args), args.source, args.force)
     return cmd_transcribe(args)
@@ -233,6 +245,44 @@ def cmd_token(settings: Settings, subject: str) -> int:
     if not settings.auth_secret:
         raise CliError(EXIT_USAGE, "set COSYVOICE_AUTH_SECRET or --auth-secret")
     print(issue(settings.auth_secret, subject))
+    return EXIT_OK
+
+
+def cmd_key(settings: Settings, name: str) -> int:
+    from .apikeys import KeyFileError, add
+
+    if not settings.api_keys_file:
+        raise CliError(EXIT_USAGE, "set COSYVOICE_API_KEYS_FILE or --api-keys-file")
+    try:
+        print(add(settings.api_keys_file, name))
+    except (KeyFileError, OSError) as exc:
+        raise CliError(EXIT_INPUT, str(exc)) from None
+    return EXIT_OK
+
+
+def cmd_usage(settings: Settings, days: int, as_json: bool) -> int:
+    import datetime
+
+    import redis
+
+    from . import bus as busmod
+
+    if not settings.redis_url:
+        raise CliError(EXIT_USAGE, "set COSYVOICE_REDIS_URL or --redis-url")
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    wanted = [(today - datetime.timedelta(days=n)).isoformat() for n in range(max(1, days))]
+    try:
+        client = busmod.connect(settings.redis_url, cluster=settings.redis_cluster)
+        found = busmod.Bus(client).usage(wanted)
+    except redis.RedisError as exc:
+        raise CliError(EXIT_UNREACHABLE, f"cannot read usage from Redis: {exc}") from None
+    if as_json:
+        print(json.dumps(found, sort_keys=True))
+        return EXIT_OK
+    print(f"{'day':<10}  {'key':<24}  {'audio s':>10}")
+    for day in sorted(found):
+        for name, seconds in sorted(found[day].items()):
+            print(f"{day:<10}  {name:<24}  {seconds:>10.1f}")
     return EXIT_OK
 
 

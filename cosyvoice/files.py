@@ -25,6 +25,7 @@ import gevent
 import redis
 
 from . import metrics
+from .apikeys import ANONYMOUS
 from .codecs import CHUNK_MS, split_chunks
 from .errors import CosyvoiceError, Internal, Unavailable
 from .limits import ConnectRequest
@@ -56,7 +57,7 @@ class FileSession:
     """One file's PCM (``rate`` Hz, 16-bit mono) through a session opened for ``req``."""
 
     def __init__(self, gateway: Gateway, pcm: bytes, rate: int, req: ConnectRequest,
-                 label: str = "file"):
+                 label: str = "file", subject: str = ANONYMOUS):
         self.gateway = gateway
         self.chunks = split_chunks(pcm, rate)
         self.rate = rate
@@ -65,12 +66,14 @@ class FileSession:
         self.conn: Connection | None = None
         self._feeder: gevent.Greenlet | None = None
         self.duration_s = len(pcm) / 2 / rate
+        self.subject = subject  # who the audio counts to (cosyvoice/apikeys.py)
 
     def open(self) -> None:
         """Open and admit the session; raises the connect's ``CosyvoiceError``
         (``overloaded``, ``rate_limited``, ``unavailable``...)."""
         try:
-            self.conn = self.gateway.open_session(self.req, self.output.id, self.output)
+            self.conn = self.gateway.open_session(self.req, self.output.id, self.output,
+                                                  self.subject)
         except redis.RedisError as exc:
             metrics.REDIS_ERRORS.inc()
             raise Unavailable("the session store is unreachable") from exc

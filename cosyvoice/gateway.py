@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import gevent
@@ -20,8 +21,9 @@ from flask import request
 from flask_socketio import SocketIO
 from socketio.exceptions import ConnectionRefusedError as Refused
 
-from . import abr, codecs, metrics, tokens
+from . import abr, codecs, metrics
 from . import bus as busmod
+from .apikeys import ANONYMOUS, Authenticator
 from .errors import (
     BadChunk,
     CosyvoiceError,
@@ -42,6 +44,9 @@ from .relay import ChunkWriter, ResultRelay
 from .settings import Settings
 
 log = logging.getLogger("cosyvoice.gateway")
+
+# How often a gateway process adds the audio it counted per client name to Redis.
+USAGE_WRITE_S = 5.0
 # The session settings the gateway stores in its hash for the worker (cosyvoice/stages.py)
 SESSION_OPTIONS = ("language", "script", "format", "prompt", "interim", "endpoint_ms",
                    "speech_events")
@@ -135,6 +140,8 @@ class Connection:
     # its last chunk: the idle timeout's clock
     heard: float = field(default_factory=time.monotonic)
     ended: bool = False
+    # who the client is (its key's name, its token's subject): what its audio counts to
+    subject: str = ANONYMOUS
 
 
 
@@ -148,9 +155,15 @@ class Gateway:
         self.bus = busmod.Bus(client, settings.stream_maxlen)
         self.writer = ChunkWriter(self.bus)
         self.relay = ResultRelay(client, self.bus, start=relay_results)
-        # the idle timeout's watcher (not in in-process tests, where nothing runs the hub)
+        self.auth = Authenticator(settings)
+        # audio seconds per client name not yet added to Redis's usage
+        self.usage: dict[str, float] = defaultdict(float)
+        # the idle timeout's watcher and the usage writer (not in in-process tests, where
+        # nothing runs the hub)
         if relay_results and settings.idle_timeout_s > 0:
             gevent.spawn(self.watch_idle)
+        if relay_results:
+            gevent.spawn(self.write_usage)
         self.connections: dict[str, Connection] = {}
         # Session modes the workers' engine offers (auth ``mode``); the first is the default.
         self.modes = ENGINES[settings.engine].modes
@@ -200,12 +213,12 @@ class Gateway:
         try:
             req = parse_auth(auth, self.modes, self.settings.accepted_codecs,
                              self.settings.opus_bitrate_list, self.languages)
-            if self.settings.auth_secret:
-                tokens.verify(self.settings.auth_secret, req.token, self.settings.token_ttl_s)
+            subject = self.auth.check(req.token)
             conn = self._resume(req, socket_id, notices) if req.session else None
             resumed = conn is not None
             if conn is None:
                 conn = self.open_session(req, socket_id)
+            conn.subject = subject
             conn.codec, conn.bitrate = self._codec(req)
             if req.abr and self.settings.abr:
                 self._start_abr(conn, req)
@@ -281,8 +294,8 @@ class Gateway:
             except redis.RedisError as exc:
                 log.warning("replay of %s failed: %s", conn.session, exc)
 
-    def open_session(self, req: ConnectRequest, conn_id: str,
-                     output: Output | None = None) -> Connection:
+    def open_session(self, req: ConnectRequest, conn_id: str, output: Output | None = None,
+                     subject: str = ANONYMOUS) -> Connection:
         """Open and admit a session for connection ``conn_id`` (in a Flask request: the
         client address is the request's) whose results go to ``output`` (None: the
         Socket.IO connection ``conn_id``). Raises ``RateLimited``, ``Overloaded`` or a
@@ -324,7 +337,7 @@ class Gateway:
             raise
         log.info("session opened", extra={"session": session, "event": "connect"})
         return Connection(session=session, rate=rate, conn_id=conn_id, client=client,
-                          bucket=self._bucket(), mode=mode, options=options)
+                          bucket=self._bucket(), mode=mode, options=options, subject=subject)
 
     def _discard(self, session: str, client: str) -> None:
         """Undo a session that is not going ahead (best effort: Redis may be down)."""
@@ -423,7 +436,30 @@ class Gateway:
             raise Unavailable("the session store is unreachable", seq=chunk.seq) from reply
         if isinstance(reply, Exception):
             raise Internal("internal error", seq=chunk.seq) from reply
-        return ack_for(reply, chunk.seq)
+        ack = ack_for(reply, chunk.seq)
+        if "duplicate" not in ack:
+            self.usage[conn.subject] += chunk.duration_s
+            metrics.AUDIO_BY_KEY.labels(conn.subject).inc(chunk.duration_s)
+        return ack
+
+    def write_usage(self) -> None:
+        """Add the audio seconds counted per client name to the day's usage in Redis,
+        every ``USAGE_WRITE_S`` (a greenlet; ``cosyvoice usage`` reads it)."""
+        while True:
+            gevent.sleep(USAGE_WRITE_S)
+            self.flush_usage()
+
+    def flush_usage(self) -> None:
+        if not self.usage:
+            return
+        counted, self.usage = self.usage, defaultdict(float)
+        try:
+            self.bus.add_usage(time.strftime("%Y-%m-%d", time.gmtime()), counted)
+        except redis.RedisError as exc:
+            metrics.REDIS_ERRORS.inc()
+            log.warning("usage not stored, kept for the next write: %s", exc)
+            for name, seconds in counted.items():
+                self.usage[name] += seconds
 
     def on_stop(self, data=None):
         conn = self.connections.get(current_socket_id())

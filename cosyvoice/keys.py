@@ -43,6 +43,15 @@ CLUSTER_CONTROL = Control("{cosyvoice}:sessions", "{cosyvoice}:workers",
                           "{cosyvoice}:worker_capacity")
 
 
+def usage_key(day: str) -> str:
+    """Audio seconds each client name sent on one day (``YYYY-MM-DD``, UTC)."""
+    return f"usage:{{{day}}}"
+
+
+# Days a day's usage is kept.
+USAGE_TTL_S = 400 * 86400
+
+
 def audio_key(sid: str) -> str:
     return f"audio:{{{sid}}}"
 

@@ -80,6 +80,10 @@ DECODE_WAIT = Histogram(
     "(kind: final, or partial, timed from the session's oldest waiting partial)", ["kind"],
     buckets=(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0,
              3.0, 5.0, 10.0))
+AUDIO_BY_KEY = Counter(
+    "cosyvoice_audio_seconds_by_key",
+    "Audio seconds stored, by the client's key name or token subject (anonymous without "
+    "authentication)", ["key"])
 DECODE_FINAL = Histogram(
     "cosyvoice_decode_final_seconds",
     "whisper-live decode scheduler: from a final's hand-over to its text (its queue wait "
@@ -105,7 +109,7 @@ REDIS_REDIRECTIONS = Counter(
 
 GATEWAY_METRICS = (SESSIONS_ACTIVE, CHUNKS_ACCEPTED, CHUNKS_REJECTED, ACK_SECONDS, AUDIO_BYTES,
                    AUDIO_SECONDS, ABR_SWITCHES, ABR_RUNG_SECONDS, ABR_QUEUE_DELAY, REDIS_ERRORS,
-                   REDIS_REDIRECTIONS)
+                   REDIS_REDIRECTIONS, AUDIO_BY_KEY)
 WORKER_METRICS = (DECODE_LAG, WORKER_SESSIONS, WORKER_CAPACITY, DECODE_WAIT, DECODE_FINAL,
                   DECODE_BUSY,
                   OPUS_UNDECODABLE, REDIS_ERRORS, REDIS_REDIRECTIONS)

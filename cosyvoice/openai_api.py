@@ -25,7 +25,7 @@ import gevent
 from flask import Flask, Response, jsonify, request, stream_with_context
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from . import subtitles, tokens
+from . import subtitles
 from .audio import AudioFileError, read_audio
 from .errors import (
     CosyvoiceError,
@@ -131,28 +131,23 @@ def too_large(err: RequestEntityTooLarge, settings: Settings):
                     param="file", code="file_too_large").response()
 
 
-def authorize(settings: Settings) -> None:
-    """With ``COSYVOICE_AUTH_SECRET`` set, the request's ``Authorization: Bearer`` key must
-    be a token it signed (``cosyvoice token``); 401 otherwise."""
-    if not settings.auth_secret:
-        return
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(401, "an API key is required (Authorization: Bearer)",
-                       code="invalid_api_key")
+def authorize(gateway: Gateway) -> str:
+    """The client's name: its ``Authorization: Bearer`` key (cosyvoice/apikeys.py: an API
+    key or a signed token) where the gateway asks for one; 401 otherwise."""
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
     try:
-        tokens.verify(settings.auth_secret, token.strip(), settings.token_ttl_s)
+        return gateway.auth.check(key.strip() if scheme.lower() == "bearer" else None)
     except Unauthorized as err:
-        raise ApiError(401, err.msg, code="invalid_api_key") from err
+        raise ApiError(401, err.msg + " (Authorization: Bearer)", code="invalid_api_key") from err
 
 
 def list_models(gateway: Gateway):
-    authorize(gateway.settings)
+    authorize(gateway)
     return jsonify(object="list", data=models(gateway))
 
 
 def one_model(gateway: Gateway, model: str):
-    authorize(gateway.settings)
+    authorize(gateway)
     for entry in models(gateway):
         if entry["id"] == model:
             return jsonify(entry)
@@ -161,7 +156,7 @@ def one_model(gateway: Gateway, model: str):
 
 
 def transcriptions(gateway: Gateway):
-    authorize(gateway.settings)
+    subject = authorize(gateway)
     ask = Request.parse(gateway)
     pcm, rate = decode_upload(ask.upload)
     try:
@@ -172,7 +167,7 @@ def transcriptions(gateway: Gateway):
                          gateway.languages)
     except CosyvoiceError as err:
         raise from_cosyvoice(err, "language") from err
-    session = FileSession(gateway, pcm, rate, req, label="openai")
+    session = FileSession(gateway, pcm, rate, req, label="openai", subject=subject)
     try:
         session.open()
     except CosyvoiceError as err:

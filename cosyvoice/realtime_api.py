@@ -38,7 +38,8 @@ import redis
 from flask import Flask, Response, request
 from geventwebsocket.exceptions import WebSocketError
 
-from . import metrics, tokens
+from . import metrics
+from .apikeys import ANONYMOUS
 from .codecs import CHUNK_MS
 from .errors import CosyvoiceError, Overloaded, Unauthorized
 from .gateway import Connection, Gateway
@@ -84,19 +85,21 @@ def precheck(gateway: Gateway, environ: dict) -> Refusal | None:
     if query.get("intent", ["transcription"])[0] != "transcription":
         return _refusal("400 Bad Request", "only transcription sessions are served here: "
                         "connect with ?intent=transcription", "invalid_intent")
-    settings = gateway.settings
-    if not settings.auth_secret:
-        return None
+    try:
+        gateway.auth.check(credential(environ))
+    except Unauthorized as err:
+        return _refusal("401 Unauthorized", err.msg, "invalid_api_key")
+    return None
+
+
+def credential(environ: dict) -> str | None:
+    """The key of the handshake: ``Authorization: Bearer``, or a browser's subprotocol."""
     scheme, _, key = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
     if scheme.lower() != "bearer":
         key = next((p.strip()[len(KEY_PROTOCOL):] for p in
                     environ.get("HTTP_SEC_WEBSOCKET_PROTOCOL", "").split(",")
                     if p.strip().startswith(KEY_PROTOCOL)), "")
-    try:
-        tokens.verify(settings.auth_secret, key.strip() or None, settings.token_ttl_s)
-    except Unauthorized as err:
-        return _refusal("401 Unauthorized", err.msg, "invalid_api_key")
-    return None
+    return key.strip() or None
 
 
 def connect(gateway: Gateway):
@@ -104,7 +107,12 @@ def connect(gateway: Gateway):
     if ws is None:
         return ApiError(426, "this is a WebSocket endpoint: upgrade the connection",
                         code="upgrade_required").response()
-    Realtime(gateway, ws).run()
+    try:  # checked before the upgrade (precheck); here for the name it counts to
+        subject = gateway.auth.check(credential(request.environ))
+    except Unauthorized:
+        ws.close(1008, "unauthorized")
+        return Response()
+    Realtime(gateway, ws, subject).run()
     return Response()
 
 
@@ -199,9 +207,10 @@ class Output(QueueOutput):
 
 
 class Realtime:
-    def __init__(self, gateway: Gateway, ws):
+    def __init__(self, gateway: Gateway, ws, subject: str = ANONYMOUS):
         self.gateway = gateway
         self.ws = ws
+        self.subject = subject
         self.id = "sess_" + secrets.token_hex(10)
         self.config = Config()
         self.output = Output(self.id)
@@ -441,7 +450,8 @@ class Realtime:
                              self.gateway.settings.accepted_codecs, (), self.gateway.languages)
         except CosyvoiceError as err:
             raise EventError(err.msg, err.code) from err
-        conn = self.gateway.open_session(req, f"{self.id}-{len(self.segments)}", self.output)
+        conn = self.gateway.open_session(req, f"{self.id}-{len(self.segments)}", self.output,
+                                         self.subject)
         self.segment = Segment(conn, self.audio_ms, manual=self.config.vad is None)
         self.segments[conn.session] = self.segment
         return self.segment

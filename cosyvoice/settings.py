@@ -184,6 +184,10 @@ class Settings:
     auth_secret: str = ""
     # Lifetime of a client token issued by `cosyvoice token`.
     token_ttl_s: int = 3600
+    # A file of named API keys, one "NAME SHA256" line each (`cosyvoice key new NAME`
+    # adds one); empty: no keys. With keys or a secret, every client must bring one
+    # (cosyvoice/apikeys.py, docs/protocol.md "Keys and usage").
+    api_keys_file: str = ""
     # Sustained audio a connection may send per second of wall time (0 turns the limit
     # off, e.g. for trusted file transcription); twice real time leaves room to catch up.
     rate_limit_factor: float = 2.0

@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 import requests
-import websockets
+from websockets.exceptions import InvalidStatus
 
 from cosyvoice import tokens
 from cosyvoice.client import transcribe_pcm
@@ -135,11 +135,11 @@ def test_bad_events_get_an_error_and_the_session_goes_on(face):
 
 def test_a_bad_key_is_refused_at_the_handshake(face):
     with client(face, key="not-a-token") as c, pytest.raises(
-            websockets.exceptions.InvalidStatus) as err:
+            InvalidStatus) as err:
         with c.realtime.connect(extra_query={"intent": "transcription"}):
             pass
     assert err.value.response.status_code == 401
-    with client(face) as c, pytest.raises(websockets.exceptions.InvalidStatus) as conv:
+    with client(face) as c, pytest.raises(InvalidStatus) as conv:
         with c.realtime.connect(extra_query={"intent": "conversation"}):
             pass
     assert conv.value.response.status_code == 400
