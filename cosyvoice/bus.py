@@ -31,6 +31,7 @@ from .keys import (
     audio_key,
     client_key,
     lease_key,
+    realtime_key,
     session_key,
     session_keys,
     sid_from_channel,
@@ -499,6 +500,13 @@ class Bus:
             if raw:
                 out[day] = {text(k): float(v) for k, v in raw.items()}
         return out
+
+    def save_realtime(self, rid: str, state: str, ttl_s: float) -> None:
+        self.r.set(realtime_key(rid), state, px=max(1, int(ttl_s * 1000)))
+
+    def load_realtime(self, rid: str) -> str | None:
+        raw = self.r.get(realtime_key(rid))
+        return text(raw) if raw is not None else None
 
     def touch_session(self, sid: str) -> None:
         """The session's client is there (a keepalive): the sweeper counts it as activity."""

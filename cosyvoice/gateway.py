@@ -351,24 +351,44 @@ class Gateway:
                 notices: list[CosyvoiceError]) -> Connection | None:
         if req.session is None:
             return None
-        info = self.bus.resume_session(req.session, socket_id)
-        if not info:
+        conn = self.resume_session(req.session, socket_id, after=req.last_result or "-")
+        if conn is None:
             # Past the grace period: say so, then carry on with a fresh session.
             notices.append(SessionExpired("the session expired; a new one was started"))
+        return conn
+
+    def resume_session(self, session: str, conn_id: str, output: Output | None = None,
+                       after: str = "-", subject: str = ANONYMOUS) -> Connection | None:
+        """Connection ``conn_id`` takes the session over (None: it is past its grace
+        period); its results after result id ``after`` go to ``output`` (None: the
+        Socket.IO connection ``conn_id``) once ``relay.replay`` is called."""
+        info = self.bus.resume_session(session, conn_id)
+        if not info:
             return None
-        conn = Connection(session=req.session, rate=int(info.get("rate", 16000)),
-                          conn_id=socket_id, client=info.get("client", ""),
+        conn = Connection(session=session, rate=int(info.get("rate", 16000)),
+                          conn_id=conn_id, client=info.get("client", ""),
                           bucket=self._bucket(), next_seq=int(info.get("next_seq", 0)),
                           created=int(info.get("created_ms", 0)) / 1000 or time.time(),
                           mode=info.get("mode", self.modes[0]),
-                          options={k: info[k] for k in SESSION_OPTIONS if k in info})
+                          options={k: info[k] for k in SESSION_OPTIONS if k in info},
+                          subject=subject)
         self.bus.hold_client_slot(conn.client, conn.session,
                                   self.settings.max_session_s + self.settings.session_grace_s)
-        self.relay.subscribe(conn.session, SocketIOOutput(
-            self.socketio, socket_id, partials=conn.options.get("interim") != "0"),
-            after=req.last_result or "-")
+        self.relay.subscribe(conn.session, output or SocketIOOutput(
+            self.socketio, conn_id, partials=conn.options.get("interim") != "0"), after=after)
         log.info("session resumed", extra={"session": conn.session, "event": "resume"})
         return conn
+
+    def release_session(self, conn: Connection, output_id: str) -> bool:
+        """The connection is gone but the client may come back: its results stop, the
+        session is kept for the grace period. False where another connection took the
+        session over meanwhile (raises ``redis.RedisError``)."""
+        self.relay.unsubscribe(conn.session, output_id)
+        grace = self.settings.session_grace_s
+        if not self.bus.release_connection(conn.session, conn.conn_id, grace):
+            return False
+        self.bus.hold_client_slot(conn.client, conn.session, grace)
+        return True
 
     def on_disconnect(self, reason=None):
         conn = self.connections.pop(current_socket_id(), None)

@@ -43,6 +43,11 @@ CLUSTER_CONTROL = Control("{cosyvoice}:sessions", "{cosyvoice}:workers",
                           "{cosyvoice}:worker_capacity")
 
 
+def realtime_key(rid: str) -> str:
+    """A Realtime connection's state, for the client that resumes it (cosyvoice/realtime_api.py)."""
+    return f"realtime:{{{rid}}}"
+
+
 def usage_key(day: str) -> str:
     """Audio seconds each client name sent on one day (``YYYY-MM-DD``, UTC)."""
     return f"usage:{{{day}}}"

@@ -112,7 +112,7 @@ def connect(gateway: Gateway):
     except Unauthorized:
         ws.close(1008, "unauthorized")
         return Response()
-    Realtime(gateway, ws, subject).run()
+    Realtime(gateway, ws, subject).run(request.args.get("session") or None)
     return Response()
 
 
@@ -203,7 +203,7 @@ class Output(QueueOutput):
     """The results of every session of one connection, each with its session."""
 
     def send(self, session: str, result_id: str, message: Published) -> None:
-        self._queue.put((session, message))
+        self._queue.put((session, result_id, message))
 
 
 class Realtime:
@@ -224,13 +224,20 @@ class Realtime:
         self.commits: deque[tuple[str, int, Item]] = deque()  # (session, finalize seq, item)
         self.loose: list[tuple[str, str | None]] = []  # manual: finals before their commit
         self.previous: str | None = None
+        self.last_result = "-"  # the current session's last result handled
         self.closed = False
 
     # ---- the connection ---------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self, resume: str | None = None) -> None:
+        expired = resume is not None and not self._resume(resume)
         self.send({"type": "session.created", "session": self.config.ga(self.id)})
+        if expired:
+            self.error("the session expired; a new one was started", "session_expired",
+                       param="session")
         relay = gevent.spawn(self.relay)
+        if self.segment is not None:
+            self.gateway.relay.replay(self.segment.conn.session)  # what the client missed
         try:
             while not self.closed:
                 try:
@@ -243,8 +250,78 @@ class Realtime:
         finally:
             self.closed = True
             relay.kill()
-            for segment in list(self.segments.values()):
+            self._leave()
+
+    # ---- resume -----------------------------------------------------------------------
+
+    def _state(self) -> str:
+        segment = self.segment
+        return json.dumps({
+            "config": vars(self.config), "previous": self.previous, "audio_ms": self.audio_ms,
+            "open": [[i.id, i.start_ms] for i in self.open_items],
+            "commits": [[s, seq, vars(i)] for s, seq, i in self.commits],
+            "loose": self.loose, "last": self.last_result,
+            "segment": None if segment is None else {
+                "session": segment.conn.session, "base_ms": segment.base_ms,
+                "manual": segment.manual}})
+
+    def _save(self, ttl_s: float | None = None) -> None:
+        """The connection's state in Redis, for a client that comes back to it."""
+        settings = self.gateway.settings
+        if settings.session_grace_s <= 0:
+            return
+        try:
+            self.gateway.bus.save_realtime(
+                self.id, self._state(),
+                ttl_s if ttl_s is not None else settings.max_session_s + settings.session_grace_s)
+        except redis.RedisError as exc:
+            metrics.REDIS_ERRORS.inc()
+            log.warning("realtime state of %s not saved: %s", self.id, exc)
+
+    def _resume(self, rid: str) -> bool:
+        """Take over the state of connection ``rid`` and its session; False when it is
+        gone (past the grace period)."""
+        if not rid.startswith("sess_") or len(rid) > 64:
+            return False
+        raw = self.gateway.bus.load_realtime(rid)
+        if raw is None:
+            return False
+        state = json.loads(raw)
+        self.id = rid
+        self.config = Config(**state["config"])
+        self.previous, self.audio_ms = state["previous"], float(state["audio_ms"])
+        self.open_items = deque(Item(i, start_ms=s) for i, s in state["open"])
+        self.commits = deque((s, seq, Item(**i)) for s, seq, i in state["commits"])
+        self.loose = [(t, lang) for t, lang in state["loose"]]
+        self.last_result = state["last"]
+        seg = state["segment"]
+        if seg is None:
+            return True
+        conn = self.gateway.resume_session(seg["session"], f"{rid}-{secrets.token_hex(4)}",
+                                           self.output, after=self.last_result,
+                                           subject=self.subject)
+        if conn is None:
+            return False
+        self.segment = Segment(conn, float(seg["base_ms"]), bool(seg["manual"]),
+                               seq=conn.next_seq)
+        self.segments[conn.session] = self.segment
+        return True
+
+    def _leave(self) -> None:
+        """The connection is gone: the session in use waits for the client to come back
+        (the grace period, as a Socket.IO client's), the ones that were ending go."""
+        kept = self.segment is None
+        for segment in list(self.segments.values()):
+            if segment is not self.segment or self.gateway.settings.session_grace_s <= 0:
                 self._close(segment)
+                continue
+            try:
+                kept = self.gateway.release_session(segment.conn, self.output.id)
+            except redis.RedisError as exc:
+                metrics.REDIS_ERRORS.inc()
+                log.warning("realtime session %s not released: %s", segment.conn.session, exc)
+        if kept:  # not where a newer connection already took the session over
+            self._save(self.gateway.settings.session_grace_s)
 
     def send(self, event: dict[str, Any]) -> None:
         event = {"event_id": "event_" + secrets.token_hex(8), **event}
@@ -324,6 +401,7 @@ class Realtime:
         self.config = config
         if changed and self.segment is not None:
             self._end_segment()  # its results still come; the next audio opens a new one
+        self._save()
         self.send({"type": "transcription_session.updated" if beta else "session.updated",
                    "session": config.beta(self.id) if beta else config.ga(self.id)})
 
@@ -434,6 +512,7 @@ class Realtime:
             if item.texts:
                 self.send(self._delta(item, item.transcript))
         self._store(segment, chunk, finalize=True)
+        self._save()
 
     def on_clear(self, event: dict) -> None:
         self.pending.clear()
@@ -454,6 +533,8 @@ class Realtime:
                                          self.subject)
         self.segment = Segment(conn, self.audio_ms, manual=self.config.vad is None)
         self.segments[conn.session] = self.segment
+        self.last_result = "-"
+        self._save()
         return self.segment
 
     def _store(self, segment: Segment, pcm: bytes, finalize: bool = False,
@@ -495,10 +576,12 @@ class Realtime:
             got = self.output.get(1.0)
             if got is None:
                 continue
-            session, message = got[0], cast(Any, got[1])
+            session, result_id, message = cast(Any, got)
             segment = self.segments.get(session)
             if segment is None:
                 continue
+            if segment is self.segment:
+                self.last_result = result_id
             kind = message["type"]
             if kind == "speech_started":
                 item = self._new_item()
@@ -516,6 +599,8 @@ class Realtime:
                 self._close(segment)
             elif kind == "error":
                 self.error(message["msg"], message["code"], kind="server_error")
+            if kind != "partial" and segment is self.segment:
+                self._save()
 
     def _final(self, segment: Segment, final: Any) -> None:
         text = final["text"]

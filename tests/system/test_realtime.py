@@ -95,6 +95,40 @@ def test_server_vad_gives_each_utterance_as_an_item_with_the_socketio_text(face)
     assert wer(reference_text("two_utterances"), " ".join(texts)) <= 0.1
 
 
+def test_a_cut_connection_resumes_its_session(face):
+    """The connection drops in the middle of a sentence; a new one that names the session
+    (``?session=``, as the client's ``on_reconnecting`` can return it) goes on where it
+    was: the sentence's two halves are one item, chained to the item before the cut."""
+    call = pcm24(read_pcm("call"))
+    half = len(call) // 2 // STEP * STEP
+    with client(face) as c:
+        conn = c.realtime.connect(extra_query={"intent": "transcription"}).enter()
+        opened: Any = conn.recv()
+        session_id = opened.session.id
+        conn.session.update(session=GA)  # type: ignore[arg-type]
+        append(conn, pcm24(read_pcm("weather") + b"\0\0" * 16000))
+        before = events_until(conn, 1)
+        append(conn, call[:half])
+        conn.close()  # the server keeps the session for the grace period
+    query = {"intent": "transcription", "session": session_id}
+    with client(face) as c, c.realtime.connect(extra_query=query) as conn:
+        created: Any = conn.recv()
+        append(conn, call[half:] + pcm24(b"\0\0" * 16000))
+        after = events_until(conn, 1)
+    assert created.type == "session.created" and created.session.id == session_id
+    first = next(e for e in before if e.type == DONE)
+    second = next(e for e in after if e.type == DONE)
+    assert wer("the weather is nice today", first.transcript) <= 0.1
+    assert wer("please call me back in the morning", second.transcript) <= 0.15
+    committed = next(e for e in after if e.type == "input_audio_buffer.committed")
+    assert committed.previous_item_id == first.item_id
+    with client(face) as c, c.realtime.connect(
+            extra_query={"intent": "transcription", "session": "sess_gone"}) as conn:
+        conn.recv()
+        expired: Any = conn.recv()  # an unknown session: said, and a new one starts
+    assert expired.type == "error" and expired.error.code == "session_expired"
+
+
 def test_manual_commits_end_the_turns(face):
     manual = {**GA, "audio": {"input": {**GA["audio"]["input"], "turn_detection": None}}}
     with client(face) as c, c.realtime.connect(extra_query={"intent": "transcription"}) as conn:
