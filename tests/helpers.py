@@ -178,11 +178,12 @@ def phase_bound(reference: str, pcm: bytes, engine: str = ENGINE) -> float:
 # ---- an engine driven in this process ---------------------------------------------------
 
 
-def run_stream(model, pcm, rate=16000, chunk_ms=200, checkpoint=None, start=0, language=None):
+def run_stream(model, pcm, rate=16000, chunk_ms=200, checkpoint=None, start=0, language=None,
+               turn=None):
     """A session's results from ``model`` fed ``pcm`` in chunks from byte ``start`` (in
-    ``language``: the engine's default where None), and the checkpoint after each chunk
-    that gave a final (keyed by the byte after it)."""
-    stream = model.stream(rate, checkpoint, language=language)
+    ``language``: the engine's default where None; with the turn control ``turn``), and
+    the checkpoint after each chunk that gave a final (keyed by the byte after it)."""
+    stream = model.stream(rate, checkpoint, language=language, turn=turn)
     size = rate * chunk_ms // 1000 * 2
     results, checkpoints = [], {}
     for i in range(start, len(pcm), size):

@@ -60,7 +60,7 @@ def test_the_turn_is_carried_in_the_checkpoint(live):
     gap = b"\0\0" * 32000  # 2 s: an end even for a 1.5 s endpointing silence
     pcm = read_pcm("door") + gap + joined(["weather", "call"], gap_s=0.8)
     turn = Turn(endpoint_ms=1500, speech_events=True)
-    results, checkpoints = _run_turn(live, pcm, turn)
+    results, checkpoints = run_stream(live, pcm, language="en", turn=turn)
     assert len(texts(results)) == 2
     position = min(checkpoints)
     cp = checkpoints[position]
@@ -68,20 +68,6 @@ def test_the_turn_is_carried_in_the_checkpoint(live):
     resumed, _ = run_stream(live, pcm, checkpoint=cp, start=position)
     assert texts(resumed) == texts(results)[1:]
     assert [r for r in resumed if kind(r) == "speech_started"]
-
-
-def _run_turn(live, pcm: bytes, turn: Turn):
-    """run_stream's results and checkpoints, for a new stream with ``turn``."""
-    stream = live.stream(16000, language="en", turn=turn)
-    results, checkpoints = [], {}
-    for i in range(0, len(pcm), CHUNK):
-        out = stream.feed(pcm[i:i + CHUNK])
-        results += out
-        if any(kind(r) == "final" for r in out):
-            checkpoints[i + CHUNK] = stream.checkpoint
-    results += stream.flush()
-    stream.close()
-    return results, checkpoints
 
 
 def test_finalize_ends_the_utterance_and_the_stream_goes_on(model):
