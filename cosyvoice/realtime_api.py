@@ -116,6 +116,14 @@ def connect(gateway: Gateway):
     return Response()
 
 
+def _include(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise EventError("include must be a list of strings", param="session.include")
+    return value
+
+
 class EventError(Exception):
     """A client event that cannot be done: an ``error`` event, the connection goes on."""
 
@@ -386,6 +394,9 @@ class Realtime:
             log.warning("realtime session store failed: %s", exc)
             self.error("the session store is unreachable", "unavailable", kind="server_error")
             self.closed = True
+        except Exception:  # noqa: BLE001 - an event the checks missed ends nothing
+            log.exception("realtime event %s failed", event["type"][:64])
+            self.error("internal error", "internal", event_id=event_id, kind="server_error")
 
     def on_session_update(self, event: dict) -> None:
         beta = event["type"] == "transcription_session.update"
@@ -427,7 +438,7 @@ class Realtime:
             config.vad = self._turn_detection(audio_in["turn_detection"],
                                               "session.audio.input.turn_detection")
         if "include" in session:
-            config.include = [str(i) for i in session["include"] or []]
+            config.include = _include(session["include"])
 
     def _update_beta(self, config: Config, session: dict) -> None:
         if session.get("input_audio_format", "pcm16") != "pcm16":
@@ -440,7 +451,7 @@ class Realtime:
             config.vad = self._turn_detection(session["turn_detection"],
                                               "session.turn_detection")
         if "include" in session:
-            config.include = [str(i) for i in session["include"] or []]
+            config.include = _include(session["include"])
 
     def _transcription(self, config: Config, t: Any, param: str) -> None:
         if t is None:
