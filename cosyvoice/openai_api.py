@@ -23,7 +23,7 @@ from typing import Any
 
 import gevent
 from flask import Flask, Response, jsonify, request, stream_with_context
-from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from . import subtitles
 from .audio import AudioFileError, read_audio
@@ -116,7 +116,7 @@ def install(app: Flask, gateway: Gateway) -> None:
     settings = gateway.settings
     app.config["MAX_CONTENT_LENGTH"] = settings.max_upload_mb * 1024 * 1024
     app.register_error_handler(ApiError, lambda err: err.response())
-    app.register_error_handler(RequestEntityTooLarge, lambda err: too_large(err, settings))
+    app.register_error_handler(HTTPException, lambda err: http_error(err, settings))
     app.add_url_rule(PREFIX + "/models", "openai_models", lambda: list_models(gateway))
     app.add_url_rule(PREFIX + "/models/<path:model>", "openai_model",
                      lambda model: one_model(gateway, model))
@@ -124,11 +124,17 @@ def install(app: Flask, gateway: Gateway) -> None:
                      lambda: transcriptions(gateway), methods=["POST"])
 
 
-def too_large(err: RequestEntityTooLarge, settings: Settings):
+def http_error(err: HTTPException, settings: Settings):
+    """Werkzeug's own refusals (an upload over the limit, a form that does not parse, an
+    unknown path or method) in OpenAI's shape under ``/v1/``; elsewhere as they are."""
     if not request.path.startswith(PREFIX + "/"):
         return err
-    return ApiError(413, f"the upload is larger than {settings.max_upload_mb} MB",
-                    param="file", code="file_too_large").response()
+    if isinstance(err, RequestEntityTooLarge):
+        return ApiError(413, f"the upload is larger than {settings.max_upload_mb} MB",
+                        param="file", code="file_too_large").response()
+    status = err.code or 400
+    return ApiError(status, err.description or err.name,
+                    "invalid_request_error" if status < 500 else "server_error").response()
 
 
 def authorize(gateway: Gateway) -> str:

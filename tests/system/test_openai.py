@@ -145,6 +145,16 @@ def test_what_is_not_audio_is_a_400_in_openais_shape(face):
     assert bad_language.value.code == "unsupported_language"
 
 
+def test_what_werkzeug_refuses_comes_in_openais_shape_too(face):
+    key = {"Authorization": "Bearer " + tokens.issue(SECRET)}
+    broken = requests.post(face.url + "/v1/audio/transcriptions", headers={
+        **key, "Content-Type": "multipart/form-data"}, data=b"--x\r\nnot a form", timeout=10)
+    unknown = requests.get(face.url + "/v1/no/such/path", headers=key, timeout=10)
+    assert broken.status_code == 400 and broken.json()["error"]["type"] == "invalid_request_error"
+    assert unknown.status_code == 404 and "error" in unknown.json()
+    assert requests.get(face.url + "/no/such/page", timeout=10).status_code == 404
+
+
 def test_a_bad_key_is_a_401(face):
     with client(face, key="not-a-token", retries=0) as c:
         with pytest.raises(openai.AuthenticationError) as err:
