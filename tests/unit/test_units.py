@@ -68,7 +68,7 @@ def test_settings_rules_cover_every_checkable_setting_and_accept_the_defaults():
     # free text (addresses, paths, secrets, origins) and booleans need no rule
     assert names - set(_RULES) == {"host", "redis_cluster", "abr", "whisper_cpu_bf16",
                                    "whisper_int8_decoder", "whisper_checkpoint", "model_dir",
-                                   "allowed_origins", "auth_secret"}
+                                   "allowed_origins", "auth_secret", "api_keys_file"}
     assert Settings().validate() == Settings()
     for env in ({"COSYVOICE_WORKER_CAPACITY": "-1"}, {"COSYVOICE_ENDPOINT_RATIO": "1.5"},
                 {"COSYVOICE_DEFAULT_SAMPLE_RATE": "22050"},
