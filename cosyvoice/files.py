@@ -31,7 +31,6 @@ from .errors import CosyvoiceError, Internal, Unavailable
 from .limits import ConnectRequest
 from .messages import Checkpoint, Result
 from .outputs import QueueOutput
-from .protocol import decode_chunk, encode_chunk
 
 if TYPE_CHECKING:
     from .gateway import Connection, Gateway
@@ -119,18 +118,11 @@ class FileSession:
             ahead = max(1, settings.stream_maxlen // 2)
             done = -1  # the last chunk the worker has checkpointed, as last read
             for seq, pcm in enumerate(self.chunks):
-                duration = len(pcm) / 2 / self.rate
-                while conn.bucket is not None and not conn.bucket.take(duration):
-                    gevent.sleep(0.05)
                 while seq - done > ahead:
                     done = self._checkpointed(conn)
                     if seq - done > ahead:
                         gevent.sleep(CHUNK_MS / 1000)
-                pb = encode_chunk(pcm, seq, last=seq == last, sample_rate=self.rate)
-                chunk = decode_chunk(pb, self.rate, settings.max_chunk_ms,
-                                     settings.accepted_codecs)
-                self.gateway.store(conn, chunk, pb)
-                metrics.count_audio(chunk.codec, len(pb), chunk.duration_s)
+                self.gateway.store_pcm(conn, pcm, seq, self.rate, last=seq == last)
                 if seq % CHECK_EVERY == 0 and seq - done > ahead // 2:
                     done = self._checkpointed(conn)
         except CosyvoiceError as err:

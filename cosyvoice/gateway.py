@@ -38,7 +38,7 @@ from .errors import (
 from .languages import HANS
 from .limits import ConnectRequest, TokenBucket, parse_auth
 from .outputs import Output, SocketIOOutput
-from .protocol import CHUNK_MS, NAMESPACE, SUPPORTED_RATES, Chunk, decode_chunk
+from .protocol import CHUNK_MS, NAMESPACE, SUPPORTED_RATES, Chunk, decode_chunk, encode_chunk
 from .registry import ENGINES
 from .relay import ChunkWriter, ResultRelay
 from .settings import Settings
@@ -381,9 +381,16 @@ class Gateway:
 
     def release_session(self, conn: Connection, output_id: str) -> bool:
         """The connection is gone but the client may come back: its results stop, the
-        session is kept for the grace period. False where another connection took the
-        session over meanwhile (raises ``redis.RedisError``)."""
-        self.relay.unsubscribe(conn.session, output_id)
+        session is kept for the grace period. False where it was stopped, or another
+        connection took it over meanwhile (raises ``redis.RedisError``)."""
+        # Two steps, neither skipped for the other's failure: a session whose connection is
+        # not released stays held, and its keys outlive the grace period.
+        try:
+            self.relay.unsubscribe(conn.session, output_id)
+        except Exception:  # noqa: BLE001 - whatever the subscriber raised, release below
+            log.exception("result unsubscribe of %s failed", conn.session)
+        if conn.stopped:
+            return False
         grace = self.settings.session_grace_s
         if not self.bus.release_connection(conn.session, conn.conn_id, grace):
             return False
@@ -394,17 +401,8 @@ class Gateway:
         conn = self.connections.pop(current_socket_id(), None)
         if conn is None:
             return
-        # Two steps, neither skipped for the other's failure: a session whose connection is
-        # not released stays held, and its keys outlive the grace period.
         try:
-            self.relay.unsubscribe(conn.session, current_socket_id())
-        except Exception:  # noqa: BLE001 - whatever the subscriber raised, release below
-            log.exception("result unsubscribe of %s failed", conn.session)
-        try:
-            if not conn.stopped:
-                grace = self.settings.session_grace_s
-                if self.bus.release_connection(conn.session, conn.conn_id, grace):
-                    self.bus.hold_client_slot(conn.client, conn.session, grace)
+            self.release_session(conn, current_socket_id())
         except redis.RedisError as exc:
             metrics.REDIS_ERRORS.inc()
             log.warning("disconnect cleanup of %s failed: %s", conn.session, exc)
@@ -460,6 +458,23 @@ class Gateway:
         if "duplicate" not in ack:
             self.usage[conn.subject] += chunk.duration_s
             metrics.AUDIO_BY_KEY.labels(conn.subject).inc(chunk.duration_s)
+        return ack
+
+    def store_pcm(self, conn: Connection, pcm: bytes, seq: int, rate: int, *,
+                  last: bool = False, finalize: bool = False) -> dict:
+        """A chunk of PCM that a face of the gateway made (a file's, a Realtime client's
+        audio), stored as a client's chunk is: validated, counted, and at the connection's
+        rate limit (waiting where a client would be refused). Its ack, or the error."""
+        duration = len(pcm) / 2 / rate
+        while conn.bucket is not None and not conn.bucket.take(duration):
+            gevent.sleep(0.05)
+        pb = encode_chunk(pcm, seq, last=last, finalize=finalize, sample_rate=rate,
+                          sent_ms=int(time.time() * 1000))
+        chunk = decode_chunk(pb, rate, self.settings.max_chunk_ms,
+                             self.settings.accepted_codecs)
+        ack = self.store(conn, chunk, pb)
+        if "duplicate" not in ack:
+            metrics.count_audio(chunk.codec, len(pb), chunk.duration_s)
         return ack
 
     def write_usage(self) -> None:

@@ -59,10 +59,18 @@ def join_texts(texts: list[str], languages: list[str | None]) -> str:
     out = ""
     prev: str | None = None
     for text, lang in zip(texts, languages, strict=True):
-        if not text:
-            continue
-        if out and not (unspaced(prev) and unspaced(lang)):
-            out += " "
-        out += text
-        prev = lang
+        if text:
+            out += joined_piece(out, prev, text, lang)
+            prev = lang
     return out
+
+
+def joined_piece(so_far: str, previous: str | None, text: str, language: str | None) -> str:
+    """What a final of ``text`` in ``language`` adds to the transcript ``so_far``, whose
+    last final was in ``previous``: the text, after a space unless the transcript is empty
+    or both sides are written without spaces (nothing for an empty final). A transcript
+    that grows by these pieces is ``join_texts`` of its finals."""
+    if not text:
+        return ""
+    space = so_far and not (unspaced(previous) and unspaced(language))
+    return (" " if space else "") + text

@@ -38,7 +38,7 @@ from .errors import (
 )
 from .files import FileSession
 from .gateway import Gateway
-from .languages import WHISPER_LANGUAGES, join_texts
+from .languages import WHISPER_LANGUAGES, join_texts, joined_piece
 from .limits import MAX_PROMPT_CHARS, parse_auth
 from .messages import Result
 from .settings import Settings
@@ -321,17 +321,13 @@ def render(ask: Request, finals: list[Result], duration_s: float) -> Response:
 
 def deltas(finals: Iterator[Result]) -> Iterator[tuple[str, str]]:
     """(delta, text so far) per final with text: the deltas join to exactly the text."""
-    texts: list[str] = []
-    langs: list[str | None] = []
-    so_far = ""
+    so_far, previous = "", None
     for final in finals:
         if not final["text"].strip():
             continue
-        texts.append(final["text"])
-        langs.append(final.get("language"))
-        text = join_texts(texts, langs)
-        yield text[len(so_far):], text
-        so_far = text
+        delta = joined_piece(so_far, previous, final["text"], final.get("language"))
+        so_far, previous = so_far + delta, final.get("language")
+        yield delta, so_far
 
 
 def _event(data: dict) -> str:

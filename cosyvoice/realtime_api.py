@@ -27,7 +27,6 @@ import binascii
 import json
 import logging
 import secrets
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -43,12 +42,11 @@ from .apikeys import ANONYMOUS
 from .codecs import CHUNK_MS
 from .errors import CosyvoiceError, Overloaded, Unauthorized
 from .gateway import Connection, Gateway
-from .languages import join_texts
-from .limits import MAX_PROMPT_CHARS, parse_auth
+from .languages import joined_piece
+from .limits import ENDPOINT_MS, MAX_PROMPT_CHARS, parse_auth
 from .messages import Published
 from .openai_api import ApiError
 from .outputs import QueueOutput
-from .protocol import decode_chunk, encode_chunk
 from .wshandler import PRECHECKS, SUBPROTOCOLS, Refusal
 
 log = logging.getLogger(__name__)
@@ -59,7 +57,6 @@ CHUNK_BYTES = RATE * 2 * CHUNK_MS // 1000
 MAX_EVENT_CHARS = 2 * 1024 * 1024  # one event's JSON text (about 1.5 MB of audio)
 MIN_COMMIT_MS = 100  # OpenAI's: a commit of less audio is an error
 DEFAULT_SILENCE_MS = 500  # server_vad's default silence_duration_ms
-MANUAL_SILENCE_MS = 5000  # turn_detection null: the endpointer's longest silence
 KEY_PROTOCOL = "openai-insecure-api-key."  # a browser's key, as a subprotocol
 
 
@@ -150,11 +147,12 @@ class Config:
             auth["language"] = self.language
         if self.prompt:
             auth["prompt"] = self.prompt[-MAX_PROMPT_CHARS:]
-        if self.vad is None:
-            auth.update(endpoint_ms=MANUAL_SILENCE_MS, interim=False)
+        if self.vad is None:  # commits end the turns: the endpointer's longest silence
+            auth.update(endpoint_ms=ENDPOINT_MS[1], interim=False)
         else:
             silence = int(self.vad.get("silence_duration_ms") or DEFAULT_SILENCE_MS)
-            auth.update(endpoint_ms=min(5000, max(10, silence)), speech_events=True,
+            low, high = ENDPOINT_MS
+            auth.update(endpoint_ms=min(high, max(low, silence)), speech_events=True,
                         interim=False)
         return auth
 
@@ -190,21 +188,18 @@ class Segment:
 @dataclass
 class Item:
     id: str
-    texts: list[str] = field(default_factory=list)
-    languages: list[str | None] = field(default_factory=list)
+    transcript: str = ""  # its finals joined
+    language: str | None = None  # its last final's
     start_ms: float = 0.0
     seconds: float = 0.0  # a commit's audio
 
     def add(self, text: str, language: str | None) -> str:
         """The delta that adds ``text``: the item's transcript grows by exactly it."""
-        before = join_texts(self.texts, self.languages)
-        self.texts.append(text)
-        self.languages.append(language)
-        return join_texts(self.texts, self.languages)[len(before):]
-
-    @property
-    def transcript(self) -> str:
-        return join_texts(self.texts, self.languages)
+        delta = joined_piece(self.transcript, self.language, text, language)
+        if text:
+            self.transcript += delta
+            self.language = language
+        return delta
 
 
 class Output(QueueOutput):
@@ -408,6 +403,8 @@ class Realtime:
             self._update_beta(config, session)
         else:
             self._update_ga(config, session)
+        if "include" in session:
+            config.include = _include(session["include"])
         changed = config.session_auth() != self.config.session_auth()
         self.config = config
         if changed and self.segment is not None:
@@ -431,27 +428,23 @@ class Realtime:
                     or fmt.get("rate", RATE) != RATE):
                 raise EventError("the input format is audio/pcm at 24000 Hz",
                                  param="session.audio.input.format")
-        if "transcription" in audio_in:
-            self._transcription(config, audio_in["transcription"],
-                                "session.audio.input.transcription")
-        if "turn_detection" in audio_in:
-            config.vad = self._turn_detection(audio_in["turn_detection"],
-                                              "session.audio.input.turn_detection")
-        if "include" in session:
-            config.include = _include(session["include"])
+        self._update_turns(config, audio_in, "session.audio.input.", "transcription")
 
     def _update_beta(self, config: Config, session: dict) -> None:
         if session.get("input_audio_format", "pcm16") != "pcm16":
             raise EventError("the input format is pcm16 (24000 Hz)",
                              param="session.input_audio_format")
-        if "input_audio_transcription" in session:
-            self._transcription(config, session["input_audio_transcription"],
-                                "session.input_audio_transcription")
-        if "turn_detection" in session:
-            config.vad = self._turn_detection(session["turn_detection"],
-                                              "session.turn_detection")
-        if "include" in session:
-            config.include = _include(session["include"])
+        self._update_turns(config, session, "session.", "input_audio_transcription")
+
+    def _update_turns(self, config: Config, section: dict, path: str,
+                      transcription: str) -> None:
+        """The transcription and turn detection of either shape: where the GA shape has
+        them (``session.audio.input``) or the beta one (``session``)."""
+        if transcription in section:
+            self._transcription(config, section[transcription], path + transcription)
+        if "turn_detection" in section:
+            config.vad = self._turn_detection(section["turn_detection"],
+                                              path + "turn_detection")
 
     def _transcription(self, config: Config, t: Any, param: str) -> None:
         if t is None:
@@ -507,9 +500,7 @@ class Realtime:
                              f"audio, got {self.since_commit_ms:.0f} ms",
                              "input_audio_buffer_commit_empty")
         segment = self._segment()
-        even = len(self.pending) - len(self.pending) % 2
-        chunk = bytes(self.pending[:even])
-        del self.pending[:even]
+        chunk = self._take_pending()
         seconds, self.since_commit_ms = self.since_commit_ms / 1000, 0.0
         seq = segment.seq
         if segment.manual:
@@ -520,7 +511,7 @@ class Realtime:
             self.loose = []
             self.commits.append((segment.conn.session, seq, item))
             self._committed(item)
-            if item.texts:
+            if item.transcript:
                 self.send(self._delta(item, item.transcript))
         self._store(segment, chunk, finalize=True)
         self._save()
@@ -550,25 +541,24 @@ class Realtime:
 
     def _store(self, segment: Segment, pcm: bytes, finalize: bool = False,
                last: bool = False) -> None:
-        conn, settings = segment.conn, self.gateway.settings
-        duration = len(pcm) / 2 / RATE
-        while conn.bucket is not None and not conn.bucket.take(duration):
-            gevent.sleep(0.05)  # faster than the rate limit: wait, as a paced client would
-        pb = encode_chunk(pcm, segment.seq, sample_rate=RATE, finalize=finalize, last=last,
-                          sent_ms=int(time.time() * 1000))
-        chunk = decode_chunk(pb, RATE, settings.max_chunk_ms, settings.accepted_codecs)
-        self.gateway.store(conn, chunk, pb)
-        metrics.count_audio(chunk.codec, len(pb), chunk.duration_s)
+        self.gateway.store_pcm(segment.conn, pcm, segment.seq, RATE, last=last,
+                               finalize=finalize)
         segment.seq += 1
-        self.audio_ms += duration * 1000
+        self.audio_ms += len(pcm) / 2 / RATE * 1000
+
+    def _take_pending(self) -> bytes:
+        """The audio held for the next chunk, whole samples (an odd byte stays)."""
+        even = len(self.pending) - len(self.pending) % 2
+        chunk = bytes(self.pending[:even])
+        del self.pending[:even]
+        return chunk
 
     def _end_segment(self) -> None:
         segment, self.segment = self.segment, None
         if segment is None:
             return
-        even = len(self.pending) - len(self.pending) % 2
-        chunk = bytes(self.pending[:even])
-        self.pending.clear()
+        chunk = self._take_pending()
+        self.pending.clear()  # an odd byte has no sample to finish in another session
         segment.ending = True
         self._store(segment, chunk, last=True)
 

@@ -38,7 +38,7 @@ class Turn:
     def from_options(cls, options: Mapping[str, Any]) -> Turn:
         """From a session's hash (strings) or a checkpoint (JSON values)."""
         return cls(int(options.get("endpoint_ms") or 0),
-                   str(options.get("speech_events", "")) in ("1", "True", "true"))
+                   options.get("speech_events") in ("1", True))
 
     def to_checkpoint(self) -> dict[str, Any]:
         return {"endpoint_ms": self.endpoint_ms, "speech_events": self.speech_events}
