@@ -10,12 +10,12 @@ at every lease renewal and advertises the capacity this module computes from it:
 - **Over target, step down.** If the 95th percentile of the recent finals' queue waits
   (hand-over to the start of their decode) is over ``final_wait_s``, that of the
   partials' (a session asking for a partial to its decode starting) over
-  ``partial_wait_s``, or, with two sessions or more, that of the finals' times from
-  hand-over to text (the wait plus the decode) over ``final_s``, the capacity drops to
-  one less than the sessions it decodes (at least 1). Nobody is shed: the process admits
-  no new session until it is back within the targets, and its sessions end in their own
-  time. That many sessions is not tried again
-  for ``HOLD`` renewals, twice as long each time it is over target again.
+  ``partial_wait_s``, or that of the finals' times from hand-over to text (the wait plus
+  the decode) over ``final_s``, with two sessions or more, the capacity drops to one less
+  than the sessions it decodes (one session's decodes wait only behind each other).
+  Nobody is shed: the process admits no new session until it is back within the
+  targets, and its sessions end in their own time. That many sessions is not tried
+  again for ``HOLD`` renewals, twice as long each time it is over target again.
 - **Within target, fill up to the measured fit.** A real-time session's share of the
   scheduler's time (busy fraction / real-time sessions over the last ``COST_WINDOW``
   samples) gives how many sessions keep the scheduler at ``busy`` (the fit). Real-time
@@ -96,14 +96,16 @@ class Admission:
         self.next_hold = HOLD
 
     def over(self, sessions: int = 2) -> bool:
-        """Over a target at ``sessions``. The finals' times count from two sessions on: one
-        session's finals take what its decodes take (the host's speed, the model, the
-        utterances' length), which admitting nobody else would not change."""
+        """Over a target at ``sessions``, from two sessions on: one session's decodes wait
+        only behind each other (a final behind its own partial, a backlog it sent) and take
+        what they take (the host's speed, the model, the utterances' length), which
+        admitting nobody else would not change."""
+        if sessions < 2:
+            return False
         t = self.targets
         return ((len(self.finals) >= MIN_WAITS and p95(self.finals) > t.final_wait_s)
                 or (len(self.partials) >= MIN_WAITS and p95(self.partials) > t.partial_wait_s)
-                or (t.final_s is not None and sessions > 1
-                    and len(self.final_times) >= MIN_WAITS
+                or (t.final_s is not None and len(self.final_times) >= MIN_WAITS
                     and p95(self.final_times) > t.final_s))
 
     def measured(self) -> bool:

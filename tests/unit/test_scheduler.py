@@ -339,8 +339,11 @@ def test_admission_over_target_stops_admitting_and_sheds_nobody():
     assert adm.reason == "over target"
     assert adm.update(6, 0.9, [0.5] * W, []) == 5  # still over: holds, sheds nobody
     assert adm.update(5, 0.9, [0.5] * W, []) == 4  # a session ended: one less again
+    two = Admission(start=6, ceiling=12, targets=targets())
+    assert two.update(2, 0.5, [], [2.0] * W) == 1  # partials over target at two sessions
+    # one session's decodes wait only behind each other: nothing to step down from
     one = Admission(start=6, ceiling=12, targets=targets())
-    assert one.update(1, 0.5, [], [2.0] * W) == 1  # partials over target; never below 1
+    assert one.update(1, 0.5, [0.5] * W, [2.0] * W) == 6
 
 
 @pytest.mark.fast
