@@ -6,7 +6,9 @@ WORKDIR /app
 
 COPY pyproject.toml README.md ./
 COPY cosyvoice ./cosyvoice
-RUN pip install .
+# resemblyzer (speaker labels) without its declared typing backport and webrtcvad C build:
+# pyproject.toml lists what it needs (docs/speakers.md)
+RUN pip install . && pip install --no-deps resemblyzer==0.1.4
 COPY gunicorn.conf.py worker.py ./
 
 RUN useradd --system --uid 10001 --home-dir /app cosyvoice

@@ -11,7 +11,7 @@ ARGS ?=
 
 install:
 	$(PYTHON) -m pip install -e '.[test]'
-	$(PYTHON) -m pip install --no-deps openai-whisper==20250625
+	$(PYTHON) -m pip install --no-deps openai-whisper==20250625 resemblyzer==0.1.4
 
 lint:
 	ruff check .

@@ -97,6 +97,17 @@ def _positive(raw: str) -> float:
     return value
 
 
+def _speakers(raw: str) -> int:
+    from .speakers import MAX_SPEAKERS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_SPEAKERS:
+        raise argparse.ArgumentTypeError(f"a number of speakers from 1 to {MAX_SPEAKERS}")
+    return value
+
+
 def _bitrate(raw: str) -> int:
     try:
         value = parse_bitrate(raw)
@@ -156,6 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text the recognition follows, as if said before the audio: names, "
                          "terms, a spelling or a script to keep to (Whisper engines; at most "
                          "500 characters)")
+    tr.add_argument("--diarize", action="store_true",
+                    help="speaker labels (S1, S2, ...) on every final and word: live as the "
+                         "text comes, and the transcript file's from all of the file's speech "
+                         "at once")
+    tr.add_argument("--speakers", type=_speakers, default=None, metavar="N",
+                    help="with --diarize: the number of speakers, where you know it")
+    tr.add_argument("--min-speakers", type=_speakers, default=None, metavar="N",
+                    help="with --diarize: at least this many speakers")
+    tr.add_argument("--max-speakers", type=_speakers, default=None, metavar="N",
+                    help="with --diarize: at most this many speakers")
     tr.add_argument("--codec", choices=CODECS, default=None,
                     help="how the audio travels: pcm16 (raw 16-bit samples, about 270 "
                          "kbit/s; the default) or opus (20 ms Opus packets at --bitrate); "
@@ -420,6 +441,10 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     fmt = _output_format(args)
     if args.bitrate and args.codec != OPUS:
         raise CliError(EXIT_USAGE, "--bitrate goes with --codec opus")
+    counted = (args.speakers, args.min_speakers, args.max_speakers)
+    if any(n is not None for n in counted) and not args.diarize:
+        raise CliError(EXIT_USAGE, "--speakers, --min-speakers and --max-speakers go with "
+                                   "--diarize")
     try:
         pcm, rate = read_audio(sys.stdin.buffer if args.file == "-" else args.file)
     except AudioFileError as exc:
@@ -439,7 +464,13 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if not result.ended:
         raise CliError(EXIT_FAILED, f"no end of the stream within {args.timeout:g} s")
     if fmt is not None:
-        body = render(fmt, result.finals)
+        finals: list[dict] = list(result.finals)
+        if args.diarize:  # the whole file's speech at once labels better than live
+            from .speakers import MAX_SPEAKERS, recluster
+            low = args.speakers or args.min_speakers or 1
+            high = args.speakers or args.max_speakers or MAX_SPEAKERS
+            finals = recluster(finals, low, high)
+        body = render(fmt, finals)
         if args.output is None:
             sys.stdout.write(body)
             sys.stdout.flush()
@@ -480,8 +511,9 @@ class _Display:
 
     def show(self, event: str, data: dict) -> None:
         if self.as_json:
-            if event != "ack":
-                print(json.dumps({"event": event, **data}), flush=True)
+            if event != "ack":  # a piece's voice vector is for the end's clustering
+                shown = {k: v for k, v in data.items() if k != "voices"}
+                print(json.dumps({"event": event, **shown}), flush=True)
         elif event == "text" and self.quiet:
             pass
         elif event == "text" and data["type"] == "partial":
@@ -498,6 +530,8 @@ class _Display:
                     else "PCM")
             why = "the link is slow" if event == "switch_down" else "the link has room"
             print(f"{why}: now sending {rung}", file=sys.stderr, flush=True)
+        elif event == "relabel" and not self.quiet:
+            print(f"(utterance {data['utterance']} was {data['speaker']})", flush=True)
         elif event == "session" and data.get("resumed"):
             print(f"reconnected; resuming at chunk {data['next_seq']}", file=sys.stderr,
                   flush=True)
@@ -513,7 +547,8 @@ class _Display:
         self.clear_partial()
         words = " ".join(f"{w['word']}[{w['start']:.2f}-{w['end']:.2f} {w['conf']:.2f}]"
                          for w in data.get("words", []))
-        print(f"[{data['start']:7.2f} - {data['end']:7.2f}] {data['text']}", flush=True)
+        who = f"{data['speaker']}: " if data.get("speaker") else ""
+        print(f"[{data['start']:7.2f} - {data['end']:7.2f}] {who}{data['text']}", flush=True)
         if words:
             print(f"    {words}", flush=True)
 
@@ -532,7 +567,10 @@ def _stream(args: argparse.Namespace, pcm: bytes, rate: int, show):
                               ssl_verify=not args.insecure, mode=args.mode,
                               codec=args.codec, bitrate=args.bitrate or 0, abr=args.abr,
                               language=args.language, script=args.script,
-                              format=args.format, prompt=args.prompt)
+                              format=args.format, prompt=args.prompt,
+                              diarize="file" if args.diarize else False,
+                              speakers=args.speakers, min_speakers=args.min_speakers,
+                              max_speakers=args.max_speakers)
     except Unreachable as exc:
         raise CliError(EXIT_UNREACHABLE, exc.msg) from None
     except Refused as exc:

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 from urllib.parse import urlsplit
 
 import socketio
@@ -33,6 +33,7 @@ from .codecs import resample
 from .languages import join_texts
 from .messages import EndEvent, ErrorEvent, TextEvent
 from .protocol import CHUNK_MS, NAMESPACE, encode_chunk, encode_opus_chunk
+from .speakers import apply_relabel
 
 # Chunks sent and not yet acknowledged, at most.
 MAX_IN_FLIGHT = 64
@@ -195,6 +196,8 @@ class Transcript:
     # speech_started events (auth.speech_events) and finalized ones (chunks with finalize)
     speech_started: list[dict] = field(default_factory=list)
     finalized: list[dict] = field(default_factory=list)
+    # relabel events (speaker labels): each is applied to ``finals`` as it comes
+    relabels: list[dict] = field(default_factory=list)
     ended: bool = False
     resumes: int = 0
     # (monotonic time, event, payload) of everything received, for latency measurements.
@@ -220,14 +223,19 @@ class StreamingClient:
                  bitrate: int = 0, abr: bool = False, language: str | None = None,
                  script: str | None = None, format: bool = False, prompt: str | None = None,
                  interim: bool = True, endpoint_ms: int | None = None,
-                 speech_events: bool = False):
+                 speech_events: bool = False, diarize: bool | str = False,
+                 speakers: int | None = None, min_speakers: int | None = None,
+                 max_speakers: int | None = None):
         self.url = url
         self.mode = mode
-        # the session's language ("auto" or a code), Chinese script, formatting and prompt
+        # the session's language ("auto" or a code), Chinese script, formatting and prompt,
+        # turn control, speaker labels (True/"live", or "file": with each piece's vector)
         self.options: dict[str, str | bool | int] = {
             k: v for k, v in (("language", language), ("script", script), ("format", format),
                               ("prompt", prompt), ("endpoint_ms", endpoint_ms),
-                              ("speech_events", speech_events))
+                              ("speech_events", speech_events), ("diarize", diarize),
+                              ("speakers", speakers), ("min_speakers", min_speakers),
+                              ("max_speakers", max_speakers))
             if v}
         if not interim:  # turn control: finals only
             self.options["interim"] = False
@@ -294,6 +302,7 @@ class StreamingClient:
                     "disconnect": self._on_disconnect,
                     "speech_started": self._on_speech_started,
                     "finalized": self._on_finalized,
+                    "relabel": self._on_relabel,
                     "switch_down": lambda data: self._on_switch("switch_down", data),
                     "switch_up": lambda data: self._on_switch("switch_up", data)}
         for event, handler in handlers.items():
@@ -352,6 +361,15 @@ class StreamingClient:
         with self._lock:
             self.result.finalized.append(data)
             self._record("finalized", data)
+
+    def _on_relabel(self, data: dict) -> None:
+        """A later final moved an earlier one to another speaker: so do the finals here."""
+        with self._lock:
+            self._last_result = data.get("id", self._last_result)
+            self.result.relabels.append(data)
+            apply_relabel(cast(list[dict], self.result.finals), int(data["utterance"]),
+                          str(data["speaker"]))
+            self._record("relabel", data)
 
     def _on_switch(self, event: str, data: dict) -> None:
         """The server's adaptive bitrate: the chunks sent from now on go at this rung."""

@@ -49,7 +49,7 @@ log = logging.getLogger("cosyvoice.gateway")
 USAGE_WRITE_S = 5.0
 # The session settings the gateway stores in its hash for the worker (cosyvoice/stages.py)
 SESSION_OPTIONS = ("language", "script", "format", "prompt", "interim", "endpoint_ms",
-                   "speech_events")
+                   "speech_events", "diarize", "min_speakers", "max_speakers")
 
 
 def current_socket_id() -> str:
@@ -113,7 +113,8 @@ def session_event(conn: "Connection", resumed: bool, limits: dict) -> dict:
             "codec": conn.codec, "bitrate": conn.bitrate, "abr": conn.estimator is not None,
             "language": conn.options.get("language", ""),
             "script": conn.options.get("script", HANS),
-            "format": conn.options.get("format") == "1", "limits": limits}
+            "format": conn.options.get("format") == "1",
+            "diarize": conn.options.get("diarize") or False, "limits": limits}
 
 
 @dataclass
@@ -307,7 +308,8 @@ class Gateway:
                    **({"prompt": req.prompt} if req.prompt else {}),
                    **({} if req.interim else {"interim": "0"}),
                    **({"endpoint_ms": str(req.endpoint_ms)} if req.endpoint_ms else {}),
-                   **({"speech_events": "1"} if req.speech_events else {})}
+                   **({"speech_events": "1"} if req.speech_events else {}),
+                   **dict(req.diarize)}
         session = secrets.token_hex(12)
         client = request.remote_addr or ""
         hold_s = self.settings.max_session_s + self.settings.session_grace_s

@@ -7,6 +7,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from . import speakers
 from .codecs import OPUS, PCM16
 from .errors import (
     CosyvoiceError,
@@ -52,6 +53,9 @@ class ConnectRequest:
     interim: bool = True
     endpoint_ms: int | None = None
     speech_events: bool = False
+    # speaker labels: the fields stored with the session (cosyvoice/speakers.py,
+    # ``diarize``, ``min_speakers``, ``max_speakers``), empty when not asked
+    diarize: tuple[tuple[str, str], ...] = ()
 
 
 def parse_auth(auth, modes: tuple[str, ...] = (), codecs: tuple[str, ...] = (PCM16,),
@@ -104,7 +108,16 @@ def parse_auth(auth, modes: tuple[str, ...] = (), codecs: tuple[str, ...] = (PCM
         raise UnsupportedLanguage(f"script must be one of {list(SCRIPTS)}")
     prompt = _optional_str(auth, "prompt", MAX_PROMPT_CHARS)
     return ConnectRequest(rate, token, session, last_result, hint, mode, codec, bitrate, abr,
-                          language, script, _flag(auth, "format"), prompt, *_turn(auth))
+                          language, script, _flag(auth, "format"), prompt, *_turn(auth),
+                          _diarize(auth))
+
+
+def _diarize(auth: dict) -> tuple[tuple[str, str], ...]:
+    """``diarize`` and the number of speakers, as the session's stored fields."""
+    diarize, problem = speakers.parse_auth(auth)
+    if problem:
+        raise Unauthorized(problem)
+    return tuple(diarize.items())
 
 
 def _turn(auth: dict) -> tuple[bool, int | None, bool]:

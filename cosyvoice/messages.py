@@ -54,6 +54,8 @@ class Result(TypedDict):
     engine: NotRequired[str]
     language: NotRequired[str]  # the language it is in (a code, cosyvoice/languages.py)
     language_prob: NotRequired[float]  # where that language was detected: its probability
+    speaker: NotRequired[str]  # sessions with speaker labels: S1, S2, … (also on words)
+    voices: NotRequired[list]  # diarize "file": [start, end, vector] per piece
 
 
 class SpeechStarted(TypedDict):
@@ -71,6 +73,15 @@ class Finalized(TypedDict):
     seq: int
 
 
+class Relabel(TypedDict):
+    """The final of ``utterance`` (and its words) belongs to ``speaker`` after all: a later
+    final moved it (sessions with speaker labels, cosyvoice/speakers.py)."""
+    type: Literal["relabel"]
+    utterance: int
+    speaker: str
+    seq: NotRequired[int]
+
+
 class End(TypedDict):
     """Every result of the session's ``last`` chunk has been published."""
     type: Literal["end"]
@@ -85,7 +96,7 @@ class ErrorResult(TypedDict):
     msg: str
 
 
-Published = Result | SpeechStarted | Finalized | End | ErrorResult
+Published = Result | SpeechStarted | Finalized | Relabel | End | ErrorResult
 
 
 def to_json(message: Published) -> str:
@@ -127,7 +138,7 @@ def to_event(session: str, result_id: str,
         return "end", EndEvent(session=session, id=result_id)
     if message["type"] == "error":
         return "error", ErrorEvent(code=message["code"], msg=message["msg"])
-    if message["type"] in ("speech_started", "finalized"):
+    if message["type"] in ("speech_started", "finalized", "relabel"):
         marker: Any = {**message, "id": result_id}
         return message["type"], marker
     text: Any = {**message, "id": result_id}
@@ -147,11 +158,16 @@ class Deferred(Protocol):
     where it has them) unless it was ``dropped`` (no speech, a partial overtaken) or it
     ``failed``; ``after`` holds what the checkpoint stored with its entry says from then
     on (the session's prompt, its utterance count)."""
-    done: bool
-    failed: bool
-    dropped: bool
-    result: dict[str, Any]
-    after: dict[str, Any]
+    @property
+    def done(self) -> bool: ...
+    @property
+    def failed(self) -> bool: ...
+    @property
+    def dropped(self) -> bool: ...
+    @property
+    def result(self) -> dict[str, Any]: ...
+    @property
+    def after(self) -> dict[str, Any]: ...
 
 
 TextRule = Callable[[Result], Result]

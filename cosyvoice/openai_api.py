@@ -25,7 +25,7 @@ import gevent
 from flask import Flask, Response, jsonify, request, stream_with_context
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from . import subtitles
+from . import speakers, subtitles
 from .audio import AudioFileError, read_audio
 from .errors import (
     CosyvoiceError,
@@ -38,15 +38,16 @@ from .errors import (
 )
 from .files import FileSession
 from .gateway import Gateway
-from .languages import WHISPER_LANGUAGES, join_texts, joined_piece
+from .languages import WHISPER_LANGUAGES, join_texts, joined_piece, unspaced
 from .limits import MAX_PROMPT_CHARS, parse_auth
 from .messages import Result
 from .settings import Settings
+from .speakers import recluster
 
 log = logging.getLogger(__name__)
 
 PREFIX = "/v1"
-FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
+FORMATS = ("json", "text", "srt", "verbose_json", "vtt", "diarized_json")
 GRANULARITIES = ("word", "segment")
 # OpenAI's model ids that clients send, each served by the default session mode;
 # ``cosyvoice/<mode>`` names one of the engine's modes.
@@ -168,6 +169,7 @@ def transcriptions(gateway: Gateway):
     try:
         req = parse_auth({"sample_rate": rate, "mode": ask.mode,
                           **({"language": ask.language} if ask.language else {}),
+                          **({"diarize": "file"} if ask.diarize else {}),
                           **({"prompt": ask.prompt[-MAX_PROMPT_CHARS:]} if ask.prompt else {})},
                          gateway.modes, gateway.settings.accepted_codecs, (),
                          gateway.languages)
@@ -179,7 +181,8 @@ def transcriptions(gateway: Gateway):
     except CosyvoiceError as err:
         raise from_cosyvoice(err) from err
     if ask.stream:
-        return Response(stream_with_context(sse(session)), mimetype="text/event-stream",
+        return Response(stream_with_context(sse(session, ask.diarize)),
+                        mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         finals = list(session.finals())
@@ -187,6 +190,8 @@ def transcriptions(gateway: Gateway):
         raise from_cosyvoice(err) from err
     finally:
         session.close()
+    if ask.diarize:  # every piece of the file at once labels better than live
+        finals = lettered(recluster(finals))
     return render(ask, finals, session.duration_s)
 
 
@@ -204,6 +209,7 @@ class Request:
         self.include: list[str] = []
         self.temperature = 0.0
         self.stream = False
+        self.diarize = False  # speaker labels: diarized_json, or a "-diarize" model
 
     @classmethod
     def parse(cls, gateway: Gateway) -> Request:
@@ -242,6 +248,7 @@ class Request:
         if not 0 <= ask.temperature <= 1:
             raise ApiError(400, "temperature must be between 0 and 1", param="temperature")
         ask.stream = (form.get("stream") or "").lower() in ("true", "1")
+        ask.diarize = ask.format == "diarized_json" or ask.model.endswith("-diarize")
         return ask
 
 
@@ -302,6 +309,9 @@ def render(ask: Request, finals: list[Result], duration_s: float) -> Response:
         return Response(subtitles.to_srt(plain), mimetype="text/plain")
     if ask.format == "vtt":
         return Response(subtitles.to_vtt(plain), mimetype="text/plain")
+    if ask.format == "diarized_json":
+        return jsonify({"task": "transcribe", "duration": round(duration_s, 3), "text": text,
+                        "segments": diarized_segments(finals), "usage": _usage(duration_s)})
     if ask.format == "verbose_json":
         body: dict[str, Any] = {"task": "transcribe", "language": _language(finals),
                                 "duration": round(duration_s, 3), "text": text}
@@ -319,29 +329,75 @@ def render(ask: Request, finals: list[Result], duration_s: float) -> Response:
     return jsonify(body)
 
 
-def deltas(finals: Iterator[Result]) -> Iterator[tuple[str, str]]:
-    """(delta, text so far) per final with text: the deltas join to exactly the text."""
+def letter(label: str) -> str:
+    """A speaker as OpenAI names them: A, B, … (cosyvoice's S1, S2, …)."""
+    index = speakers.label_index(label)
+    return chr(ord("A") + index) if index < 26 else label
+
+
+def lettered(finals: list[dict]) -> list[Result]:
+    """Finals with their speakers (and their words') named as OpenAI names them."""
+    out: list[Any] = []
+    for f in finals:
+        words = [{**w, "speaker": letter(w["speaker"])} if w.get("speaker") else w
+                 for w in f.get("words") or []]
+        out.append({**f, "words": words,
+                    **({"speaker": letter(f["speaker"])} if f.get("speaker") else {})})
+    return out
+
+
+def diarized_segments(finals: list[Result], first: int = 0) -> list[dict]:
+    """``transcript.text.segment`` objects: each final cut where its words' speaker
+    changes (the speaker of most of it where it has no words)."""
+    out: list[dict] = []
+    for final in finals:
+        plain: dict = dict(final)
+        sep = "" if unspaced(final.get("language")) else " "
+        words = subtitles.timed_words(plain)
+        runs: list[list[tuple[str, float, float, str]]] = []
+        for word in words:
+            if runs and runs[-1][-1][3] == word[3]:
+                runs[-1].append(word)
+            else:
+                runs.append([word])
+        for run in runs:
+            out.append({"type": "transcript.text.segment", "id": f"seg_{first + len(out)}",
+                        "start": round(run[0][1], 3), "end": round(run[-1][2], 3),
+                        "text": sep.join(w[0] for w in run),
+                        "speaker": run[0][3] or final.get("speaker", "A")})
+    return out
+
+
+def deltas(finals: Iterator[Result]) -> Iterator[tuple[Result, str, str]]:
+    """(final, delta, text so far) per final with text: the deltas join to exactly the
+    text."""
     so_far, previous = "", None
     for final in finals:
         if not final["text"].strip():
             continue
         delta = joined_piece(so_far, previous, final["text"], final.get("language"))
         so_far, previous = so_far + delta, final.get("language")
-        yield delta, so_far
+        yield final, delta, so_far
 
 
 def _event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def sse(session: FileSession) -> Iterator[str]:
-    """``transcript.text.delta`` per final, then ``transcript.text.done`` (or an error
-    event); the session ends when the response does, a client that hangs up included."""
-    text = ""
+def sse(session: FileSession, diarize: bool = False) -> Iterator[str]:
+    """``transcript.text.delta`` per final (and with speaker labels its
+    ``transcript.text.segment`` events, labelled live: the file is not over yet), then
+    ``transcript.text.done`` (or an error event); the session ends when the response
+    does, a client that hangs up included."""
+    text, segments = "", 0
     try:
-        for delta, so_far in deltas(session.finals()):
+        for final, delta, so_far in deltas(session.finals()):
             text = so_far
             yield _event({"type": "transcript.text.delta", "delta": delta})
+            if diarize:
+                for seg in diarized_segments(lettered([dict(final)]), segments):
+                    segments += 1
+                    yield _event(seg)
         yield _event({"type": "transcript.text.done", "text": text,
                       "usage": {"type": "tokens", "input_tokens": 0, "output_tokens": 0,
                                 "total_tokens": 0}})

@@ -33,6 +33,7 @@ from .messages import (
     End,
     Outgoing,
     Published,
+    Relabel,
     Result,
     Scheduled,
     kind,
@@ -69,6 +70,16 @@ def split_ordered(results: Sequence[Outgoing]) -> tuple[list[Result], list[Outgo
                  if isinstance(r, Scheduled) or r["type"] != "partial"]
 
 
+def with_relabel(result: Outgoing) -> list[Published]:
+    """A result, and after it the ``relabel`` it carries (cosyvoice/speakers.py)."""
+    if not isinstance(result, dict) or "relabel" not in result:
+        return [result]  # type: ignore[list-item]
+    out: Any = dict(result)
+    change = out.pop("relabel")
+    return [out, Relabel(type="relabel", utterance=change["utterance"],
+                         speaker=change["speaker"])]
+
+
 @dataclass
 class Pending:
     """What an audio entry publishes in order: its results, some still being decoded
@@ -91,12 +102,13 @@ class Pending:
 
     def publishable(self) -> list[Published]:
         """The results as decoded, leaving out those whose job was dropped (no speech,
-        a partial overtaken)."""
+        a partial overtaken); a final that moves the one before it to another speaker is
+        followed by that ``relabel``."""
         out: list[Published] = []
         for r in self.results:
             decoded = r.decoded() if isinstance(r, Scheduled) else r
             if decoded is not None:
-                out.append(decoded)
+                out += with_relabel(decoded)
         return out
 
     def final_checkpoint(self) -> Checkpoint | None:
@@ -122,8 +134,16 @@ class Ready:
 class Outbox:
     """The results of one session on their way out (see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, state: Callable[[], dict[str, Any]] | None = None) -> None:
         self._queue: deque[Pending] = deque()
+        # the session's stages' part of a checkpoint, read as the results the checkpoint
+        # goes with are published (the speaker clusters, cosyvoice/speakers.py)
+        self._state = state
+
+    def _checkpoint(self, checkpoint: Checkpoint | None) -> Checkpoint | None:
+        if checkpoint is None or checkpoint.done or self._state is None:
+            return checkpoint
+        return checkpoint.updated(self._state())
 
     @property
     def waiting(self) -> bool:
@@ -137,7 +157,8 @@ class Outbox:
         for ``ready``."""
         deferred = any(isinstance(r, Scheduled) for r in results)
         if not deferred and not self._queue:
-            return Ready(entry_id, list(results), checkpoint, done=last)  # type: ignore[arg-type]
+            out = [m for r in results for m in with_relabel(r)]
+            return Ready(entry_id, out, self._checkpoint(checkpoint), done=last)
         now, ordered = split_ordered(results)
         if ordered or checkpoint is not None:
             self._queue.append(Pending(entry_id, ordered, checkpoint, last))
@@ -153,8 +174,9 @@ class Outbox:
                 out.append(Ready(item.entry_id, [], failed=True))
                 self._queue.clear()
                 break
-            out.append(Ready(item.entry_id, item.publishable(), item.final_checkpoint(),
-                             done=item.done))
+            results = item.publishable()
+            out.append(Ready(item.entry_id, results,
+                             self._checkpoint(item.final_checkpoint()), done=item.done))
         return out
 
     def clear(self) -> None:

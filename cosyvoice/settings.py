@@ -107,6 +107,9 @@ class Settings:
     # decode_busy_target of the time.
     final_wait_target_ms: int = 300
     final_target_ms: int = 400
+    # speaker labels (cosyvoice/speakers.py, docs/speakers.md): a piece of speech joins the
+    # nearest speaker met so far at this cosine similarity or more, else starts a new one
+    speaker_join: float = 0.78
     partial_wait_target_ms: int = 400
     decode_busy_target: float = 0.6
     # 2pass engine: where the partials (and endpoints) of the "2pass" and "whisper" modes
@@ -344,6 +347,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "decode_batch": _at_least(0),
     "final_wait_target_ms": _at_least(1),
     "final_target_ms": _at_least(0),
+    "speaker_join": ((lambda v: 0 < v < 1), "a similarity above 0, under 1"),
     "partial_wait_target_ms": _at_least(1),
     "decode_busy_target": ((lambda v: 0 < v <= 1), "a fraction above 0, at most 1"),
     "twopass_partials": _one_of("pocketsphinx", "whisper-live"),

@@ -21,6 +21,11 @@ the same cues:
   language written without spaces) and the session's ``language`` (that of most finals).
 - **WebVTT** says that language in its header (``Language: zh``); SRT has no header to say
   it in.
+- **Speakers** (finals with ``speaker``, cosyvoice/speakers.py): a cue never holds two
+  speakers (words carry their own), and its first line starts with its speaker, ``[S1] ``
+  in SRT and as a voice span, ``<v S1>``, in WebVTT (not counted in the line's length);
+  text starts a paragraph, ``S1: ``, at each change of speaker (a blank line between);
+  JSON lists the ``speakers`` in order of first appearance.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Cue:
     start_ms: int
     end_ms: int
     lines: list[str]
+    speaker: str = ""
 
 
 def _sep(final: dict) -> str:
@@ -52,8 +58,8 @@ def _sep(final: dict) -> str:
     return "" if unspaced(final.get("language")) else " "
 
 
-def _timed_words(final: dict) -> list[tuple[str, float, float]]:
-    """The final's text, a word at a time, with each word's start and end."""
+def timed_words(final: dict) -> list[tuple[str, float, float, str]]:
+    """The final's text, a word at a time, with each word's start, end and speaker."""
     sep = _sep(final)
     words = [w for w in final.get("words") or [] if str(w.get("word", "")).strip()]
     if sep:
@@ -64,8 +70,9 @@ def _timed_words(final: dict) -> list[tuple[str, float, float]]:
         fits = "".join(tokens) == "".join(final["text"].split())
         if not fits:
             tokens = list("".join(final["text"].split()))
+    speaker = str(final.get("speaker") or "")
     if fits:
-        return [(tok, float(w["start"]), float(w["end"]))
+        return [(tok, float(w["start"]), float(w["end"]), str(w.get("speaker") or speaker))
                 for tok, w in zip(tokens, words, strict=True)]
     start, end = float(final["start"]), float(final["end"])
     total = sum(len(t) + len(sep) for t in tokens)
@@ -73,7 +80,7 @@ def _timed_words(final: dict) -> list[tuple[str, float, float]]:
     for tok in tokens:
         s = start + (end - start) * pos / total
         pos += len(tok) + len(sep)
-        out.append((tok, s, start + (end - start) * pos / total))
+        out.append((tok, s, start + (end - start) * pos / total, speaker))
     return out
 
 
@@ -108,11 +115,12 @@ def cues(finals: list[dict]) -> list[Cue]:
             continue
         sep = _sep(final)
         width = UNSPACED_LINE_CHARS if not sep else LINE_CHARS
-        group: list[tuple[str, float, float]] = []
-        for word in _timed_words(final):
+        group: list[tuple[str, float, float, str]] = []
+        for word in timed_words(final):
             candidate = group + [word]
-            if group and (len(wrap([t for t, _, _ in candidate], width, sep)) > MAX_LINES
-                          or candidate[-1][2] - candidate[0][1] > MAX_CUE_S):
+            if group and (len(wrap([w[0] for w in candidate], width, sep)) > MAX_LINES
+                          or candidate[-1][2] - candidate[0][1] > MAX_CUE_S
+                          or word[3] != group[0][3]):
                 out.append(_cue(group, width, sep))
                 group = [word]
             else:
@@ -131,8 +139,17 @@ def _ms(seconds: float) -> int:
     return math.floor(seconds * 1000 + 0.5)  # half up, as the page's Math.round
 
 
-def _cue(group: list[tuple[str, float, float]], width: int, sep: str) -> Cue:
-    return Cue(_ms(group[0][1]), _ms(group[-1][2]), wrap([t for t, _, _ in group], width, sep))
+def _cue(group: list[tuple[str, float, float, str]], width: int, sep: str) -> Cue:
+    return Cue(_ms(group[0][1]), _ms(group[-1][2]), wrap([w[0] for w in group], width, sep),
+               group[0][3])
+
+
+def _lines(cue: Cue, prefix: str) -> str:
+    """The cue's lines, the first after its speaker's ``prefix`` (where it has one)."""
+    lines = list(cue.lines)
+    if cue.speaker:
+        lines[0] = prefix.format(cue.speaker) + lines[0]
+    return "\n".join(lines)
 
 
 def _clock(ms: int, sep: str) -> str:
@@ -143,12 +160,27 @@ def _clock(ms: int, sep: str) -> str:
 
 
 def to_text(finals: list[dict]) -> str:
-    return "".join(f["text"].strip() + "\n" for f in finals if f.get("text", "").strip())
+    out, speaker = "", None
+    for f in finals:
+        text = f.get("text", "").strip()
+        if not text:
+            continue
+        if f.get("speaker") and f["speaker"] != speaker:
+            out += ("\n" if speaker is not None else "") + f"{f['speaker']}: "
+            speaker = f["speaker"]
+        out += text + "\n"
+    return out
+
+
+def speakers(finals: list[dict]) -> list[str]:
+    """The speakers of the finals with text, in order of first appearance."""
+    return list(dict.fromkeys(f["speaker"] for f in finals
+                              if f.get("text", "").strip() and f.get("speaker")))
 
 
 def to_srt(finals: list[dict]) -> str:
     return "".join(f"{i}\n{_clock(c.start_ms, ',')} --> {_clock(c.end_ms, ',')}\n"
-                   + "\n".join(c.lines) + "\n\n" for i, c in enumerate(cues(finals), 1))
+                   + _lines(c, "[{}] ") + "\n\n" for i, c in enumerate(cues(finals), 1))
 
 
 def language(finals: list[dict]) -> str:
@@ -162,16 +194,18 @@ def to_vtt(finals: list[dict]) -> str:
     lang = language(finals)
     header = f"WEBVTT\nLanguage: {lang}\n\n" if lang else "WEBVTT\n\n"
     return header + "".join(
-        f"{_clock(c.start_ms, '.')} --> {_clock(c.end_ms, '.')}\n" + "\n".join(c.lines)
+        f"{_clock(c.start_ms, '.')} --> {_clock(c.end_ms, '.')}\n" + _lines(c, "<v {}>")
         + "\n\n" for c in cues(finals))
 
 
 def to_json(finals: list[dict]) -> str:
-    kept = [{k: v for k, v in f.items() if k != "type"} for f in finals
+    kept = [{k: v for k, v in f.items() if k not in ("type", "voices")} for f in finals
             if f.get("text", "").strip()]
     text = join_texts([f["text"].strip() for f in kept], [f.get("language") for f in kept])
-    return json.dumps({"text": text, "language": language(finals), "finals": kept},
-                      indent=1) + "\n"
+    whole: dict = {"text": text, "language": language(finals)}
+    if speakers(finals):
+        whole["speakers"] = speakers(finals)
+    return json.dumps({**whole, "finals": kept}, indent=1) + "\n"
 
 
 def render(fmt: str, finals: list[dict]) -> str:

@@ -26,7 +26,7 @@ from typing import Iterator, cast
 import redis
 
 from . import bus as busmod
-from . import metrics, stages, sweeper
+from . import metrics, speakers, stages, sweeper
 from .asr import Model, Stream, Turn, capacity_of
 from .asr.admission import Admission, Targets
 from .asr.scheduler import Load
@@ -84,6 +84,8 @@ class OwnedSession:
     rules: tuple[TextRule, ...] = ()
     # its results on their way out, in order (cosyvoice/outbox.py)
     outbox: Outbox = field(default_factory=Outbox)
+    # what it keeps for speaker labels, where it asked for them (cosyvoice/speakers.py)
+    speakers: speakers.SessionSpeakers | None = None
     ended: bool = False  # ``last`` consumed: nothing more to read, the end is pending
 
 
@@ -123,6 +125,8 @@ class Worker:
         # when that was: how many real-time sessions' worth of audio the load came from
         self._fed_s = 0.0
         self._fed_since = time.monotonic()
+        # the speaker embedder thread, started by the first session that asks for labels
+        self._embedder: speakers.Embedder | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -199,6 +203,8 @@ class Worker:
                 log.warning("could not publish the finals in hand: %s", exc)
             if ENGINES[self.settings.engine].stage == "finals":
                 stage.stop()  # the finals process ends with this worker
+        if self._embedder is not None:
+            self._embedder.stop()
         for sid in list(self.sessions):
             s = self.sessions.pop(sid)
             self._drop(s)
@@ -245,6 +251,9 @@ class Worker:
         load = self.stage.sample()
         if not isinstance(load, Load):
             return  # a stage that reports no load (the finals process)
+        if self._embedder is not None:
+            # speaker embeddings share the cores: their time counts as decoding's
+            load.busy += self._embedder.sample()
         metrics.scheduler_load(load)
         now = time.monotonic()
         realtime = self._fed_s / (now - self._fed_since) if now > self._fed_since else None
@@ -286,8 +295,19 @@ class Worker:
         audio = (SessionAudio.resumed(rate, self._audio_back(ann.sid, checkpoint.id),
                                       checkpoint.seq, undecodable)
                  if checkpoint else SessionAudio(rate, undecodable))
-        self.sessions[ann.sid] = OwnedSession(ann.sid, ann.msg_id, stream, position, next_seq,
-                                              audio, stages.text_rules(info))
+        rules = stages.text_rules(info)
+        labels = None
+        options = speakers.Options.from_session(info)
+        if options is not None:
+            if self._embedder is None:
+                self._embedder = speakers.Embedder()
+            labels = speakers.SessionSpeakers(options, self._embedder,
+                                              checkpoint.state if checkpoint else None,
+                                              self.settings.speaker_join)
+            rules += (labels.rule,)
+        self.sessions[ann.sid] = OwnedSession(
+            ann.sid, ann.msg_id, stream, position, next_seq, audio, rules,
+            Outbox(labels.state if labels else None), labels)
         log.info("took session %s at seq %d", ann.sid, next_seq,
                  extra={"session": ann.sid, "event": "claim"})
 
@@ -340,8 +360,9 @@ class Worker:
                 # every result of the audio so far, then the marker that says so
                 decoded += [*s.stream.finalize(),
                             cast(Result, Finalized(type="finalized", seq=msg.seq))]
-            results, checkpoint = entry_results(sid, entry_id, msg.seq, msg.last, decoded,
-                                                lambda: s.stream.checkpoint)
+            results, checkpoint = entry_results(
+                sid, entry_id, msg.seq, msg.last, decoded,
+                lambda: {**s.stream.checkpoint, **(s.speakers.position if s.speakers else {})})
             s.position, s.next_seq = entry_id, msg.seq + 1
             if not self._publish_entry(s, entry_id, results, checkpoint, msg.last):
                 self._finish(s)
@@ -357,6 +378,8 @@ class Worker:
         decoded: list[Decoded] = []
         for pcm, rate in s.audio.pieces(msg):
             self._fed_s += len(pcm) / (SAMPLE_WIDTH * rate)
+            if s.speakers is not None:
+                s.speakers.feed(pcm, rate)
             decoded += s.stream.feed(pcm, rate)
         return decoded
 
@@ -364,6 +387,8 @@ class Worker:
                        checkpoint: Checkpoint | None, last: bool) -> bool:
         """Run an entry's results through the session's text stages into its outbox and
         publish what may go out now. False when the session no longer exists."""
+        if s.speakers is not None:
+            results = s.speakers.wrap(results)
         ready = s.outbox.push(entry_id, stages.apply(s.rules, results), checkpoint, last)
         return self._publish(s, ready)
 

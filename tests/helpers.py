@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 import wave
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jiwer
@@ -230,3 +230,72 @@ def rounds_until(worker: Worker, done: Callable[[], object], timeout: float) -> 
         return done()
 
     wait_for(step, timeout=timeout)
+
+
+def speaker_texts() -> dict[str, tuple[str, str]]:
+    """name -> (voice, text) of the speaker fixtures (``speakers/<name>``: slt, kal, ked)."""
+    lines = (FIXTURES / "speakers" / "sentences.tsv").read_text().splitlines()
+    out = {}
+    for line in lines:
+        if line.strip():
+            voice, name, text = line.split("\t")
+            out[f"speakers/{name}"] = (voice, text)
+    return out
+
+
+def conversation(turns: list[str], gaps: list[float] | None = None,
+                 lead_s: float = 0.5) -> tuple[bytes, list[tuple[str, float, float, str]]]:
+    """Fixtures spoken one after the other (``turns``: fixture names) with ``gaps`` of
+    silence between them (1.0 s each by default; 0: back to back), after ``lead_s`` of
+    silence: the 16 kHz PCM and the truth, (voice, start, end, text) per turn. A fixture's
+    voice is its speaker fixture's, or ``zh`` for the Mandarin ones and ``slt`` for the
+    rest (festival's slt made them)."""
+    texts = speaker_texts()
+    zh = zh_texts()
+    gaps = gaps if gaps is not None else [1.0] * (len(turns) - 1)
+    pieces = [b"\0\0" * int(lead_s * 16000)]
+    truth = []
+    at = len(pieces[0]) // 2
+    for i, name in enumerate(turns):
+        pcm = read_pcm(name)
+        if name in texts:
+            voice, text = texts[name]
+        elif name in zh:
+            voice, text = "zh", zh[name]
+        else:
+            voice, text = "slt", fixture_texts().get(name) or harvard_texts()[name]
+        truth.append((voice, at / 16000, (at + len(pcm) // 2) / 16000, text))
+        pieces.append(pcm)
+        at += len(pcm) // 2
+        if i < len(turns) - 1:
+            gap = b"\0\0" * int(gaps[i] * 16000)
+            pieces.append(gap)
+            at += len(gap) // 2
+    pieces.append(b"\0\0" * 16000)
+    return b"".join(pieces), truth
+
+
+def word_speakers(finals: Sequence[Mapping[str, Any]], truth: list[tuple[str, float, float, str]]
+                  ) -> tuple[list[str], list[str]]:
+    """Each word's true voice (the turn its middle falls in, or the nearest) and its
+    label, over the finals' words."""
+    true, found = [], []
+    for final in finals:
+        for word in final.get("words") or []:
+            mid = (word["start"] + word["end"]) / 2
+            voice = min(truth, key=lambda t: 0 if t[1] <= mid <= t[2]
+                        else min(abs(mid - t[1]), abs(mid - t[2])))[0]
+            true.append(voice)
+            found.append(word.get("speaker", ""))
+    return true, found
+
+
+def attributed(finals: Sequence[Mapping[str, Any]],
+               truth: list[tuple[str, float, float, str]]) -> float:
+    """The share of words whose label is their true voice, after the best mapping of
+    labels to voices."""
+    from cosyvoice.speakers import best_mapping
+
+    true, found = word_speakers(finals, truth)
+    mapping = best_mapping(true, found)
+    return sum(mapping.get(f) == t for t, f in zip(true, found, strict=True)) / max(1, len(true))

@@ -25,7 +25,7 @@ const MODE_NAMES = {
   null: "Null (test engine)",
 };
 // The session choices the page remembers (localStorage), by the auth key they set.
-const REMEMBERED = { language: "cosyvoice.language", script: "cosyvoice.script", format: "cosyvoice.format" };
+const REMEMBERED = { language: "cosyvoice.language", script: "cosyvoice.script", format: "cosyvoice.format", diarize: "cosyvoice.diarize" };
 const DOWNLOADS = {
   txt: { render: toText, type: "text/plain" },
   srt: { render: toSrt, type: "application/x-subrip" },
@@ -112,6 +112,10 @@ class App {
     this.languageSelect.addEventListener("change", () => this.rememberChoices());
     this.scriptSelect.addEventListener("change", () => this.rememberChoices());
     this.formatBox.addEventListener("change", () => this.rememberChoices());
+    // speaker labels: any engine, remembered like the language
+    this.speakersBox = $("speakers");
+    this.speakersBox.checked = globalThis.localStorage?.getItem(REMEMBERED.diarize) === "1";
+    this.speakersBox.addEventListener("change", () => this.rememberChoices());
     this.transcript = $("transcript");
     this.button.addEventListener("click", () => this.toggle());
     $("clear").addEventListener("click", () => this.view.clear());
@@ -207,12 +211,13 @@ class App {
       localStorage.setItem(REMEMBERED.language, this.languageSelect.value);
       localStorage.setItem(REMEMBERED.script, this.scriptSelect.value);
       localStorage.setItem(REMEMBERED.format, this.formatBox.checked ? "1" : "0");
+      localStorage.setItem(REMEMBERED.diarize, this.speakersBox.checked ? "1" : "0");
     } catch {
       // storage off (private windows): the choice holds until the page is closed
     }
   }
 
-  /** The session's options: mode, language, Chinese script, digits. */
+  /** The session's options: mode, language, Chinese script, digits, speaker labels. */
   sessionOptions() {
     const offered = !this.languageChoice.hidden;
     return {
@@ -221,6 +226,7 @@ class App {
       language: offered ? this.languageSelect.value : null,
       script: offered && !this.scriptChoice.hidden ? this.scriptSelect.value : null,
       format: offered && this.formatBox.checked,
+      diarize: this.speakersBox.checked,
     };
   }
 
@@ -428,6 +434,7 @@ class App {
       state: (state, detail) => this.onConnectionState(state, detail),
       session: (info, kind) => this.onSession(info, kind),
       text: (result, latencyMs) => this.onText(result, latencyMs),
+      relabel: (change) => this.view.relabel(change.utterance, change.speaker),
       rungSwitch: (rung, direction) => this.onRungSwitch(rung, direction),
       error: (err, fatal) => this.onServerError(err, fatal),
       end: () => {},
@@ -508,7 +515,7 @@ class App {
 
   onText(result, latencyMs) {
     if (result.type === "partial") {
-      this.view.showPartial(result.text, result.utterance);
+      this.view.showPartial(result.text, result.utterance, result.speaker);
       return;
     }
     this.view.addFinal(result);

@@ -22,7 +22,7 @@ export const ABR_IN_FLIGHT = 5;
  *
  * `handlers` receives: state(name, detail) with name connecting | connected |
  * reconnecting | disconnected | refused | failed | closed; session(info, kind) with kind new |
- * resumed | restarted; text(result, latencyMs); rungSwitch({codec, bitrate, sample_rate,
+ * resumed | restarted; text(result, latencyMs); relabel({utterance, speaker}); rungSwitch({codec, bitrate, sample_rate,
  * reason}, direction) with direction down | up;
  * error({code, msg}, fatal); end().
  */
@@ -31,14 +31,14 @@ export class SpeechStream {
    * server's session modes) asks for a mode when the session is created; `bitrate` says
    * the audio goes as Opus at that bitrate (`auth.codec`, `auth.bitrate`); `abr` that the
    * page follows the server's switch_down and switch_up (`auth.abr`); `language` ("auto" or
-   * a code), `script` ("hans" or "hant") and `format` (digits) are the session's
-   * `auth.language`, `auth.script` and `auth.format`. */
+   * a code), `script` ("hans" or "hant"), `format` (digits) and `diarize` (speaker labels)
+   * are the session's `auth.language`, `auth.script`, `auth.format` and `auth.diarize`. */
   constructor(handlers, { token = null, mode = null, bitrate = 0, abr = false, language = null,
-    script = null, format = false } = {}) {
+    script = null, format = false, diarize = false } = {}) {
     this.on = handlers;
     this.token = token;
     this.mode = mode;
-    this.options = { language, script, format };
+    this.options = { language, script, format, diarize };
     this.bitrate = bitrate;
     this.abr = abr;
     this.socket = null;
@@ -78,6 +78,10 @@ export class SpeechStream {
     socket.on("session", (data) => this.onSession(data));
     socket.on("text", (data) => this.onText(data));
     socket.on("end", () => this.onEnd());
+    socket.on("relabel", (data) => {
+      if (data.id) this.lastResultId = data.id;
+      this.on.relabel?.(data);
+    });
     socket.on("error", (data) => this.on.error(data, FATAL_CODES.has(data.code)));
     socket.on("switch_down", (data) => this.on.rungSwitch(data, "down"));
     socket.on("switch_up", (data) => this.on.rungSwitch(data, "up"));

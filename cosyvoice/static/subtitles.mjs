@@ -7,7 +7,9 @@
 // never overlapping, each at least 100 ms long. A final in a language written without
 // spaces (Chinese, Japanese, Thai, ...) is cut into lines of 16 characters, its words
 // joined without spaces (its characters where the words no longer spell its text); WebVTT
-// names the language of most finals in its header.
+// names the language of most finals in its header. With speaker labels a cue never holds
+// two speakers and starts with its speaker (`[S1] ` in SRT, `<v S1>` in WebVTT), and text
+// starts a paragraph, `S1: `, at each change of speaker.
 
 export const LINE_CHARS = 42;
 export const UNSPACED_LINE_CHARS = 16;
@@ -53,8 +55,10 @@ export function wordsOf(final) {
 
 function timedWords(final) {
   const { sep, tokens, words, fits } = wordsOf(final);
+  const speaker = String(final.speaker ?? "");
   if (fits) {
-    return tokens.map((tok, i) => [tok, Number(words[i].start), Number(words[i].end)]);
+    return tokens.map((tok, i) => [tok, Number(words[i].start), Number(words[i].end),
+      String(words[i].speaker ?? speaker)]);
   }
   const start = Number(final.start);
   const end = Number(final.end);
@@ -63,7 +67,7 @@ function timedWords(final) {
   return tokens.map((tok) => {
     const s = start + ((end - start) * pos) / total;
     pos += tok.length + sep.length;
-    return [tok, s, start + ((end - start) * pos) / total];
+    return [tok, s, start + ((end - start) * pos) / total, speaker];
   });
 }
 
@@ -98,7 +102,14 @@ function cue(group, width, sep) {
     startMs: Math.round(group[0][1] * 1000),
     endMs: Math.round(group[group.length - 1][2] * 1000),
     lines: wrap(group.map((w) => w[0]), width, sep),
+    speaker: group[0][3],
   };
+}
+
+function cueLines(c, prefix) {
+  const lines = [...c.lines];
+  if (c.speaker) lines[0] = prefix(c.speaker) + lines[0];
+  return lines.join("\n");
 }
 
 export function cues(finals) {
@@ -111,7 +122,8 @@ export function cues(finals) {
     for (const word of timedWords(final)) {
       const candidate = [...group, word];
       if (group.length && (wrap(candidate.map((w) => w[0]), width, sep).length > MAX_LINES
-          || candidate[candidate.length - 1][2] - candidate[0][1] > MAX_CUE_S)) {
+          || candidate[candidate.length - 1][2] - candidate[0][1] > MAX_CUE_S
+          || word[3] !== group[0][3])) {
         out.push(cue(group, width, sep));
         group = [word];
       } else {
@@ -138,12 +150,21 @@ function clock(ms, sep) {
 }
 
 export function toText(finals) {
-  return finals.filter(hasText).map((f) => `${f.text.trim()}\n`).join("");
+  let out = "";
+  let speaker = null;
+  for (const f of finals.filter(hasText)) {
+    if (f.speaker && f.speaker !== speaker) {
+      out += `${speaker !== null ? "\n" : ""}${f.speaker}: `;
+      speaker = f.speaker;
+    }
+    out += `${f.text.trim()}\n`;
+  }
+  return out;
 }
 
 export function toSrt(finals) {
   return cues(finals).map((c, i) => `${i + 1}\n${clock(c.startMs, ",")} --> ${clock(c.endMs, ",")}\n`
-    + `${c.lines.join("\n")}\n\n`).join("");
+    + `${cueLines(c, (who) => `[${who}] `)}\n\n`).join("");
 }
 
 /** The language of most finals with text ("" where none says one; the first of a tie). */
@@ -163,5 +184,5 @@ export function language(finals) {
 export function toVtt(finals) {
   const lang = language(finals);
   return (lang ? `WEBVTT\nLanguage: ${lang}\n\n` : "WEBVTT\n\n") + cues(finals).map((c) => `${clock(c.startMs, ".")} --> ${clock(c.endMs, ".")}\n`
-    + `${c.lines.join("\n")}\n\n`).join("");
+    + `${cueLines(c, (who) => `<v ${who}>`)}\n\n`).join("");
 }

@@ -1,6 +1,8 @@
 // The transcript on the page: final results appended, the current partial greyed and
 // replaced in place, word times and confidence on every final word, and the engine that
-// produced each final. The finals are kept for the downloads (subtitles.mjs): the page
+// produced each final. With speaker labels each speaker's turn starts a paragraph with
+// its label, in a colour of its own (speaker-1 … speaker-8, then again), and a `relabel`
+// moves an earlier final to another speaker. The finals are kept for the downloads (subtitles.mjs): the page
 // shows each final's own text, so a downloaded file says what the page says.
 
 import { joiner, wordsOf } from "./subtitles.mjs";
@@ -20,11 +22,52 @@ export class TranscriptView {
     this.results = []; // the finals with text, in order
   }
 
-  /** The hypothesis of utterance `utterance` so far. */
-  showPartial(text, utterance) {
+  /** The hypothesis of utterance `utterance` so far (and its likely speaker). */
+  showPartial(text, utterance, speaker) {
     this.partial.textContent = text ? ` ${text}` : "";
     this.partialUtterance = utterance;
+    if (speaker) this.partial.dataset.speaker = speaker;
+    else delete this.partial.dataset.speaker;
     this.update();
+  }
+
+  /** A final's speaker, as a class and a label at the start of each turn. */
+  paintSpeaker(segment, speaker) {
+    segment.dataset.speaker = speaker;
+    const n = Number(speaker.slice(1)) || 1;
+    for (const c of [...segment.classList]) if (c.startsWith("speaker-")) segment.classList.remove(c);
+    segment.classList.add(`speaker-${((n - 1) % 8) + 1}`);
+  }
+
+  /** Each turn (a run of finals of one speaker) starts on a line of its own with the
+   * speaker's label. */
+  markTurns() {
+    for (const br of this.finals.querySelectorAll("br.turn-break")) br.remove();
+    let previous = null;
+    for (const segment of this.finals.querySelectorAll(".segment")) {
+      const speaker = segment.dataset.speaker ?? null;
+      const turn = Boolean(speaker) && speaker !== previous;
+      segment.classList.toggle("turn", turn);
+      if (turn && previous !== null) {
+        const br = document.createElement("br");
+        br.className = "turn-break";
+        segment.before(br);
+      }
+      previous = speaker;
+    }
+  }
+
+  /** A later final says an earlier one was said by `speaker`. */
+  relabel(utterance, speaker) {
+    for (const r of this.results) {
+      if (r.utterance !== utterance) continue;
+      r.speaker = speaker;
+      for (const w of r.words ?? []) w.speaker = speaker;
+    }
+    for (const segment of this.finals.querySelectorAll(`.segment[data-utterance="${utterance}"]`)) {
+      this.paintSpeaker(segment, speaker);
+    }
+    this.markTurns();
   }
 
   /** A final replaces its own utterance's partial. Whisper finals come after the next
@@ -46,6 +89,8 @@ export class TranscriptView {
     segment.title = `${seconds(result.start)} – ${seconds(result.end)}${engine}`;
     if (result.engine) segment.dataset.engine = result.engine;
     if (result.language) segment.lang = result.language;
+    segment.dataset.utterance = String(result.utterance);
+    if (result.speaker) this.paintSpeaker(segment, result.speaker);
     if (fits) {
       // the final's words, each with its time and confidence
       tokens.forEach((token, i) => {
@@ -65,6 +110,7 @@ export class TranscriptView {
     const glue = joiner(this.results[this.results.length - 2], result);
     if (this.finals.childElementCount && glue) this.finals.append(glue);
     this.finals.append(segment);
+    if (result.speaker) this.markTurns();
     this.update();
   }
 

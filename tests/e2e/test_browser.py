@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
+import srt
 from playwright.sync_api import ConsoleMessage, Page, ViewportSize, expect, sync_playwright
 
 from cosyvoice import keys, script, tokens
@@ -32,6 +33,7 @@ from ..helpers import (
     FIXTURES,
     TEST_ENV,
     cer,
+    conversation,
     corpus_wer,
     fixture_texts,
     han,
@@ -586,5 +588,44 @@ def test_mandarin_into_the_page_microphone_shows_simplified_text(service, artifa
     assert script.convert(text, "hans") == text, text  # no Traditional character
     assert " " not in text.strip(), text
     assert any(kind == "partial" and han(t) for kind, t in seen), seen
+    assert observed.console_errors == []
+    observed.assert_stayed_local()
+
+
+def test_two_voices_at_the_page_microphone_show_two_speakers(service, artifacts, tmp_path):
+    """The page's "Speaker labels" switch (remembered over a reload), two voices taking
+    turns at the fake microphone: each turn shows its speaker's label in a colour of its
+    own, and the downloaded subtitles carry the speakers."""
+    pcm, truth = conversation(["speakers/slt1", "speakers/kal1", "speakers/slt2",
+                               "speakers/kal2"], gaps=[1.0, 0.8, 1.0])
+    wav = tmp_path / "two.wav"
+    duration = padded_wav(pcm, wav)
+    with browser_page({"width": 900, "height": 760}, wav) as (page, observed):
+        page.goto(service.url + "/")
+        page.get_by_label("Speaker labels").check()
+        page.reload()
+        expect(page.get_by_label("Speaker labels")).to_be_checked()  # remembered
+        button = page.locator("#record")
+        page.get_by_role("button", name="Start").click()
+        expect(button).to_have_attribute("aria-pressed", "true")
+        started = time.monotonic()
+        wait_until_played(started, duration)
+        page.get_by_role("button", name="Stop").click()
+        expect(button).to_have_text("Start", timeout=30_000)
+        page.screenshot(path=str(artifacts / "browser-speakers.png"), full_page=True)
+        segments = page.locator("#finals .segment")
+        speakers = [segments.nth(i).get_attribute("data-speaker")
+                    for i in range(segments.count())]
+        turns = page.locator("#finals .segment.turn")
+        colours = {turns.nth(i).evaluate("e => getComputedStyle(e, '::before')"
+                                         ".backgroundColor") for i in range(turns.count())}
+        with page.expect_download() as download:
+            page.get_by_role("button", name="Download .srt").click()
+        subtitles = Path(download.value.path()).read_text()
+    print(f"speakers on the page: {speakers}")
+    assert speakers == ["S1", "S2", "S1", "S2"]
+    assert len(colours) == 2  # a colour each
+    cues = list(srt.parse(subtitles))
+    assert [c.content[:4] for c in cues] == ["[S1]", "[S2]", "[S1]", "[S2]"]
     assert observed.console_errors == []
     observed.assert_stayed_local()

