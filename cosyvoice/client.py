@@ -368,7 +368,7 @@ class StreamingClient:
             self._last_result = data.get("id", self._last_result)
             self.result.relabels.append(data)
             apply_relabel(cast(list[dict], self.result.finals), int(data["utterance"]),
-                          str(data["speaker"]))
+                          str(data["speaker"]), data.get("spans"))
             self._record("relabel", data)
 
     def _on_switch(self, event: str, data: dict) -> None:

@@ -75,10 +75,13 @@ class Finalized(TypedDict):
 
 class Relabel(TypedDict):
     """The final of ``utterance`` (and its words) belongs to ``speaker`` after all: a later
-    final moved it (sessions with speaker labels, cosyvoice/speakers.py)."""
+    final moved it (sessions with speaker labels, cosyvoice/speakers.py). Where its pieces
+    now belong to different speakers, ``spans`` say whose each is: [start, end, speaker],
+    each word the span's that holds its middle."""
     type: Literal["relabel"]
     utterance: int
     speaker: str
+    spans: NotRequired[list]
     seq: NotRequired[int]
 
 

@@ -94,6 +94,16 @@ DECODE_BUSY = Gauge(
     "cosyvoice_decode_busy_ratio",
     "whisper-live decode schedulers: fraction of the time decoding, added up over the "
     "pool's processes (at most one per process)", multiprocess_mode="livesum")
+SPEAKER_CPU = Counter(
+    "cosyvoice_speaker_embed_cpu_seconds",
+    "CPU seconds the speaker embedder threads spent on voice vectors (speaker labels)")
+SPEAKER_AUDIO = Counter(
+    "cosyvoice_speaker_embed_audio_seconds",
+    "Seconds of audio the speaker embedder turned into voice vectors (finals' pieces and "
+    "partials' guesses)")
+SPEAKER_RELABELS = Counter(
+    "cosyvoice_speaker_relabels", "relabel messages: a later final moved an earlier one to "
+    "another speaker")
 OPUS_UNDECODABLE = Counter(
     "cosyvoice_opus_packets_undecodable",
     "Opus packets libopus refused in a worker, each decoded as silence of its length")
@@ -111,7 +121,7 @@ GATEWAY_METRICS = (SESSIONS_ACTIVE, CHUNKS_ACCEPTED, CHUNKS_REJECTED, ACK_SECOND
                    AUDIO_SECONDS, ABR_SWITCHES, ABR_RUNG_SECONDS, ABR_QUEUE_DELAY, REDIS_ERRORS,
                    REDIS_REDIRECTIONS, AUDIO_BY_KEY)
 WORKER_METRICS = (DECODE_LAG, WORKER_SESSIONS, WORKER_CAPACITY, DECODE_WAIT, DECODE_FINAL,
-                  DECODE_BUSY,
+                  DECODE_BUSY, SPEAKER_CPU, SPEAKER_AUDIO, SPEAKER_RELABELS,
                   OPUS_UNDECODABLE, REDIS_ERRORS, REDIS_REDIRECTIONS)
 
 for _code in ERROR_CODES:

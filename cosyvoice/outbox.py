@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from .messages import (
     Checkpoint,
@@ -71,13 +71,13 @@ def split_ordered(results: Sequence[Outgoing]) -> tuple[list[Result], list[Outgo
 
 
 def with_relabel(result: Outgoing) -> list[Published]:
-    """A result, and after it the ``relabel`` it carries (cosyvoice/speakers.py)."""
+    """A result, and after it the ``relabel`` messages it carries: earlier finals it
+    moved to another speaker (cosyvoice/speakers.py)."""
     if not isinstance(result, dict) or "relabel" not in result:
         return [result]  # type: ignore[list-item]
     out: Any = dict(result)
-    change = out.pop("relabel")
-    return [out, Relabel(type="relabel", utterance=change["utterance"],
-                         speaker=change["speaker"])]
+    changes = out.pop("relabel")
+    return [out, *(cast(Relabel, {"type": "relabel", **change}) for change in changes)]
 
 
 @dataclass

@@ -110,6 +110,9 @@ class Settings:
     # speaker labels (cosyvoice/speakers.py, docs/speakers.md): a piece of speech joins the
     # nearest speaker met so far at this cosine similarity or more, else starts a new one
     speaker_join: float = 0.78
+    # where voice vectors are computed: "thread" (a thread of each worker process, while
+    # the final's text decodes) or "inline" (in the worker's loop; measured slower)
+    speaker_embedder: str = "thread"
     partial_wait_target_ms: int = 400
     decode_busy_target: float = 0.6
     # 2pass engine: where the partials (and endpoints) of the "2pass" and "whisper" modes
@@ -348,6 +351,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "final_wait_target_ms": _at_least(1),
     "final_target_ms": _at_least(0),
     "speaker_join": ((lambda v: 0 < v < 1), "a similarity above 0, under 1"),
+    "speaker_embedder": _one_of("thread", "inline"),
     "partial_wait_target_ms": _at_least(1),
     "decode_busy_target": ((lambda v: 0 < v <= 1), "a fraction above 0, at most 1"),
     "twopass_partials": _one_of("pocketsphinx", "whisper-live"),

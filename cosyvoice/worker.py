@@ -300,7 +300,8 @@ class Worker:
         options = speakers.Options.from_session(info)
         if options is not None:
             if self._embedder is None:
-                self._embedder = speakers.Embedder()
+                self._embedder = speakers.Embedder(
+                    inline=self.settings.speaker_embedder == "inline")
             labels = speakers.SessionSpeakers(options, self._embedder,
                                               checkpoint.state if checkpoint else None,
                                               self.settings.speaker_join)

@@ -434,7 +434,7 @@ class App {
       state: (state, detail) => this.onConnectionState(state, detail),
       session: (info, kind) => this.onSession(info, kind),
       text: (result, latencyMs) => this.onText(result, latencyMs),
-      relabel: (change) => this.view.relabel(change.utterance, change.speaker),
+      relabel: (change) => this.view.relabel(change.utterance, change.speaker, change.spans),
       rungSwitch: (rung, direction) => this.onRungSwitch(rung, direction),
       error: (err, fatal) => this.onServerError(err, fatal),
       end: () => {},

@@ -57,12 +57,17 @@ export class TranscriptView {
     }
   }
 
-  /** A later final says an earlier one was said by `speaker`. */
-  relabel(utterance, speaker) {
+  /** A later final says an earlier one was said by `speaker` (and, where `spans`
+   * [start, end, speaker] are given, each of its words by the span holding its middle). */
+  relabel(utterance, speaker, spans) {
     for (const r of this.results) {
       if (r.utterance !== utterance) continue;
       r.speaker = speaker;
-      for (const w of r.words ?? []) w.speaker = speaker;
+      for (const w of r.words ?? []) {
+        const mid = (Number(w.start) + Number(w.end)) / 2;
+        const span = (spans ?? []).find(([a, b]) => a <= mid && mid <= b);
+        w.speaker = span ? span[2] : speaker;
+      }
     }
     for (const segment of this.finals.querySelectorAll(`.segment[data-utterance="${utterance}"]`)) {
       this.paintSpeaker(segment, speaker);

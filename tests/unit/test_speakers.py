@@ -4,11 +4,13 @@ checkpoint, the relabel of the final before, whole-file clustering, the auth opt
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from cosyvoice import speakers
-from cosyvoice.speakers import Clusters, Options, SessionSpeakers
+from cosyvoice.speakers import Memory, Options, SessionSpeakers
 
 from ..helpers import conversation, read_pcm, speaker_texts
 
@@ -38,57 +40,94 @@ def interleaved(vectors, voices: list[str], turns: int) -> list[tuple[str, str]]
             for i in range(turns)]
 
 
-@pytest.mark.parametrize("voices", [["slt", "kal"], ["kal", "ked"], ["slt", "kal", "ked"]])
-def test_online_clustering_labels_each_voice_apart(vectors, voices):
-    clusters = Clusters()
-    got = []
-    for i, (_, name) in enumerate(interleaved(vectors, voices, 8 * len(voices) - 2)):
+def place_all(memory: Memory, vectors, turns, options: Options | None = None) -> list[int]:
+    """Each turn's final placed in order: the labels as shown, relabels applied."""
+    options = options or Options()
+    shown: list[int] = []
+    for i, (_, name) in enumerate(turns):
         _, vector, seconds = vectors[name]
-        who, _ = clusters.place(i, [(0.0, seconds, vector)], Options())
-        got.append(who[0])
-    want = [i % len(voices) for i in range(len(got))]
-    assert got == want  # S1 is the first to speak, S2 the second, ...
+        who, changed = memory.place(i, [(3.0 * i, 3.0 * i + seconds, vector)], options)
+        shown.append(who[0])
+        for utterance, now in changed:
+            shown[utterance] = now[0]
+    return shown
+
+
+@pytest.mark.parametrize("voices", [["slt", "kal"], ["kal", "ked"], ["slt", "kal", "ked"]])
+def test_each_voice_gets_its_own_label_in_order_of_appearance(vectors, voices):
+    turns = interleaved(vectors, voices, 8 * len(voices) - 2)
+    got = place_all(Memory(), vectors, turns)
+    assert got == [i % len(voices) for i in range(len(turns))]  # S1 first, S2 second, ...
 
 
 def test_max_speakers_caps_and_min_speakers_splits(vectors):
     turns = interleaved(vectors, ["slt", "kal", "ked"], 9)
-    capped, split = Clusters(), Clusters()
-    for i, (_, name) in enumerate(turns):
-        _, vector, seconds = vectors[name]
-        capped.place(i, [(0.0, seconds, vector)], Options(max_speakers=2))
-        split.place(i, [(0.0, seconds, vector)], Options(min_speakers=3))
-    assert len(capped.known()) == 2
-    assert len(split.known()) == 3
+    assert len(set(place_all(Memory(), vectors, turns, Options(max_speakers=2)))) == 2
+    # all the same voice, but the caller says there are two
+    same = [("kal", n) for n in sorted(n for n, (v, _, _) in vectors.items() if v == "kal")]
+    assert len(set(place_all(Memory(), vectors, same, Options(min_speakers=2)))) == 2
+    assert len(set(place_all(Memory(), vectors, same))) == 1
 
 
-def test_the_clusters_round_trip_through_a_checkpoint(vectors):
-    turns = interleaved(vectors, ["kal", "ked"], 12)
-    whole = Clusters()
-    labels = [whole.place(i, [(0.0, vectors[n][2], vectors[n][1])], Options())[0]
+def test_the_memory_round_trips_through_a_checkpoint_and_forgets_into_anchors(vectors):
+    turns = interleaved(vectors, ["kal", "ked"], 16)
+    whole = Memory()
+    labels = [whole.place(i, [(3.0 * i, 3.0 * i + vectors[n][2], vectors[n][1])], Options())[0]
               for i, (_, n) in enumerate(turns)]
-    first = Clusters()
-    for i, (_, n) in enumerate(turns[:5]):
-        first.place(i, [(0.0, vectors[n][2], vectors[n][1])], Options())
-    resumed = Clusters.from_state(first.to_state())
-    again = [resumed.place(i + 5, [(0.0, vectors[n][2], vectors[n][1])], Options())[0]
-             for i, (_, n) in enumerate(turns[5:])]
-    assert again == labels[5:]
+    first = Memory()
+    for i, (_, n) in enumerate(turns[:7]):
+        first.place(i, [(3.0 * i, 3.0 * i + vectors[n][2], vectors[n][1])], Options())
+    resumed = Memory.from_state(json.loads(json.dumps(first.to_state())))
+    again = [resumed.place(i + 7, [(3.0 * (i + 7), 3.0 * (i + 7) + vectors[n][2],
+                                    vectors[n][1])], Options())[0]
+             for i, (_, n) in enumerate(turns[7:])]
+    assert again == labels[7:]
+    # a memory of 4 pieces keeps the speakers apart by their anchors
+    small = Memory()
+    old, speakers.MAX_PIECES = speakers.MAX_PIECES, 4
+    try:
+        shown = place_all(small, vectors, turns)
+    finally:
+        speakers.MAX_PIECES = old
+    assert len(small.pieces) == 4 and set(small.anchors) == {0, 1}
+    assert shown == [i % 2 for i in range(len(turns))]
 
 
-def test_a_later_final_relabels_the_one_before():
-    """A voice first heard a little apart starts a speaker of its own; once the next final
-    pulls the first speaker's mean towards it, it is moved there, and said so."""
+def test_a_later_final_relabels_an_earlier_one():
+    """One voice's first final, a little apart from the rest of it, is a speaker of its
+    own until the finals after it show it to be the same voice: then it is moved, and
+    said so."""
     def at(degrees: float) -> np.ndarray:
         v = np.zeros(256, dtype=np.float32)
         v[0], v[1] = np.cos(np.radians(degrees)), np.sin(np.radians(degrees))
         return v
-    clusters = Clusters()
-    assert clusters.place(0, [(0, 3, at(0))], Options()) == ([0], None)
-    assert clusters.place(1, [(4, 7, at(41.4))], Options()) == ([1], None)  # cos 0.75
-    assert clusters.place(2, [(8, 11, at(20))], Options()) == ([0], (1, 0))
-    assert clusters.known() == [0]
-    # the emptied label is the next new speaker's
-    assert clusters.place(3, [(12, 15, at(90))], Options()) == ([1], None)
+    memory = Memory()
+    assert memory.place(0, [(0, 3, at(0))], Options()) == ([0], [])
+    assert memory.place(1, [(4, 7, at(40))], Options()) == ([1], [])  # cos 0.77: apart
+    who, changed = memory.place(2, [(8, 11, at(20))], Options())  # between: all one voice
+    assert who == [0] and changed == [(1, [0])]
+    assert {p.speaker for p in memory.pieces} == {0}
+    # the freed label is the next new speaker's
+    assert memory.place(3, [(12, 15, at(90))], Options())[0] == [1]
+
+
+def test_stable_labels_keep_the_old_indexes():
+    # groups 7 and 3 (the clustering's own numbers): 7 holds what was speaker 1
+    assert speakers.stable_labels([7, 7, 3, 3, 7], [1, 1, 0, -1, -1], [1] * 5) == {7: 1, 3: 0}
+    # two old speakers merged: the heavier keeps its index; a new group takes the lowest free
+    assert speakers.stable_labels([5, 5, 5, 9], [0, 1, 1, -1], [1, 1, 1, 1]) == {5: 1, 9: 0}
+
+
+def test_a_voice_change_without_a_pause_cuts_a_piece(encoder):
+    def trimmed(x: np.ndarray) -> np.ndarray:  # the fixtures' own silence at both ends
+        loud = np.flatnonzero(np.abs(x) > 0.01)
+        return x[loud[0]:loud[-1] + 1]
+    one, two = trimmed(audio("speakers/slt3")), trimmed(audio("speakers/kal3"))
+    cuts = encoder.pieces(np.concatenate([one, two]))
+    assert len(cuts) == 2
+    assert abs(cuts[0][1] - len(one)) < 0.25 * speakers.RATE  # within a quarter second
+    same = encoder.pieces(np.concatenate([one, trimmed(audio("speakers/slt4"))]))
+    assert len(same) == 1 or float(same[0][2] @ same[1][2]) > 0.7
 
 
 def test_pieces_are_cut_at_pauses_only():
