@@ -21,7 +21,8 @@ its text received), and the speaker embedder's CPU seconds per second of convers
     python benchmarks/speakers.py [--per-size 3] [--workers 2] [--parallel 3] [--seed 2026]
         [--embedder thread|inline] [--json-out F]
 
-About 4 minutes with the defaults on a 2-core machine; every run stays under 15 minutes.
+About 3 minutes with the defaults on a 2-core machine, 5 with ``--per-size 5``; every run
+stays under 15 minutes (each conversation is about 50 s of real time).
 """
 
 from __future__ import annotations

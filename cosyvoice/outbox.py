@@ -137,7 +137,7 @@ class Outbox:
     def __init__(self, state: Callable[[], dict[str, Any]] | None = None) -> None:
         self._queue: deque[Pending] = deque()
         # the session's stages' part of a checkpoint, read as the results the checkpoint
-        # goes with are published (the speaker clusters, cosyvoice/speakers.py)
+        # goes with are published (the speakers met so far, cosyvoice/speakers.py)
         self._state = state
 
     def _checkpoint(self, checkpoint: Checkpoint | None) -> Checkpoint | None:

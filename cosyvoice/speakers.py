@@ -725,7 +725,7 @@ def best_mapping(truth: Sequence[str], found: Sequence[str]) -> dict[str, str]:
 
 class SessionSpeakers:
     """What the worker keeps for a session that asked for speaker labels: its recent audio,
-    its clusters (checkpointed) and the guess for its open utterance.
+    the speakers it met (its ``Memory``, checkpointed) and the guess for its open utterance.
 
     ``wrap`` gives each final an embedding job (its result waits in the outbox until both
     its text and its pieces' vectors are there), ``rule`` labels results as they are
