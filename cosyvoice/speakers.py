@@ -646,11 +646,15 @@ class Embedder:
 
     def _do(self, job: EmbedJob) -> None:
         from . import metrics  # only in worker processes (after metrics_dir.choose)
+        if self._encoder is None:
+            try:
+                self._encoder = self._factory()  # loading is not embedding: not counted
+            except Exception:  # noqa: BLE001 - a failed load ends only its session
+                log.exception("the speaker encoder did not load")
+                job.failed = job.done = True
+                return
         began, cpu = time.monotonic(), time.thread_time()
         try:
-            if self._encoder is None:
-                self._encoder = self._factory()
-                cpu = time.thread_time()  # loading is not embedding
             job.voices = [v for s, e, a in job.spans
                           for v in _embedded(self._encoder, s, a, job.cut)]
             job.result = {"_voices": job.voices}

@@ -5,6 +5,7 @@ checkpoint, the relabel of the final before, whole-file clustering, the auth opt
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -216,3 +217,24 @@ def test_auth_options(auth, fields):
 def test_bad_auth_options_are_refused(auth):
     fields, problem = speakers.parse_auth(auth)
     assert fields == {} and problem
+
+
+def test_loading_the_encoder_is_not_counted_as_busy(encoder):
+    """Admission reads the embedder's busy fraction: a process that loads the encoder for
+    its first labelled session must not look full for it (it did: a shared test service
+    dropped to a capacity of 1 and refused the next tests' sessions)."""
+    def slow_load() -> speakers.Encoder:
+        time.sleep(0.6)  # the load: torch's import, the weights, the warm-up pass
+        return encoder
+    embedder = speakers.Embedder(slow_load)
+    try:
+        embedder.sample()
+        job = embedder.submit(speakers.EmbedJob([(0.0, 2.0, audio("speakers/slt1"))]))
+        for _ in range(200):
+            if job.done:
+                break
+            time.sleep(0.01)
+        assert job.done and not job.failed and len(job.voices) == 1
+        assert embedder.sample() < 0.3
+    finally:
+        embedder.stop()
