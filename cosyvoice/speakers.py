@@ -65,7 +65,6 @@ REFINE_S = 0.8  # ... by the voice of this much audio either side of each candid
 REFINE_STEP_S = 0.05  # ... a candidate every 50 ms, then the quietest 90 ms near the best
 KEEP_S = 45.0  # audio the worker keeps per session (more than the longest utterance)
 MAX_SPEAKERS = 16  # what auth accepts for speakers/min_speakers/max_speakers
-COST = 0.02  # CPU seconds per audio second (benchmarks/speakers.py), a stage's cost
 FRAME = RATE * 30 // 1000  # 30 ms frames for the pause finder
 QUIET_DB = 35.0  # a frame this far under the final's loudest is quiet
 
@@ -129,15 +128,6 @@ def parse_auth(auth: Mapping[str, Any]) -> tuple[dict[str, str], str | None]:
 
 
 # ---- vectors ----------------------------------------------------------------------------
-
-def encode_vector(v: np.ndarray) -> str:
-    """A vector as the base64 of its float32 bytes (exact: a checkpoint round-trips)."""
-    return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
-
-
-def decode_vector(s: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(s), dtype="<f4").astype(np.float32)
-
 
 def encode_voice(v: np.ndarray) -> str:
     """A piece's vector as sent to a client: float16, 512 bytes before base64."""
@@ -251,13 +241,12 @@ class Memory:
                 [p.speaker for p in self.pieces] + held)
 
     def place(self, utterance: int, voices: Sequence[tuple[float, float, np.ndarray]],
-              options: Options) -> tuple[list[int], list[tuple[int, list[int]]]]:
+              options: Options) -> tuple[list[int], list[tuple[int, list[tuple[float, float,
+                                                                            int]]]]]:
         """Place a final's pieces ((start, end, vector) each): the speaker index of each,
-        and the earlier finals whose pieces' speakers changed, (utterance, their pieces'
-        speakers) each."""
-        before: dict[int, list[int]] = {}
-        for p in self.pieces:
-            before.setdefault(p.utterance, []).append(p.speaker)
+        and the earlier finals whose pieces' speakers changed, (utterance, its pieces'
+        (start, end, speaker)) each, taken before the oldest pieces are forgotten."""
+        before = self._by_final()
         new = [Piece(utterance, float(s), float(e), _f16(v)) for s, e, v in voices]
         self.pieces += new
         vectors, seconds, speakers_ = self._items()
@@ -266,12 +255,17 @@ class Memory:
         mapping = stable_labels(groups, speakers_, seconds)
         for p, g in zip(self.pieces, groups, strict=False):
             p.speaker = mapping[g]
-        after: dict[int, list[int]] = {}
-        for p in self.pieces:
-            after.setdefault(p.utterance, []).append(p.speaker)
-        changed = [(u, after[u]) for u in before if after.get(u) != before[u]]
+        after = self._by_final()
+        changed = [(u, after[u]) for u in before if after[u] != before[u]]
         self._forget()
         return [p.speaker for p in new], changed
+
+    def _by_final(self) -> dict[int, list[tuple[float, float, int]]]:
+        """Each final's pieces, (start, end, speaker), by utterance."""
+        out: dict[int, list[tuple[float, float, int]]] = {}
+        for p in self.pieces:
+            out.setdefault(p.utterance, []).append((p.start, p.end, p.speaker))
+        return out
 
     def _forget(self) -> None:
         """Fold the oldest pieces past ``MAX_PIECES`` into their speakers' anchors."""
@@ -312,12 +306,13 @@ class Memory:
                    join)
 
 
-def majority(labels: Sequence[int], weights: Sequence[float]) -> int:
-    """The label with the most weight (the first of equals)."""
-    totals: dict[int, float] = {}
-    for who, w in zip(labels, weights, strict=True):
-        totals[who] = totals.get(who, 0.0) + w
-    return max(totals, key=lambda k: (totals[k], -labels.index(k)))
+def main_speaker(spans: Sequence[tuple[float, float, str]]) -> str:
+    """The speaker of most of the spans' time (of equals, the first to speak)."""
+    totals: dict[str, float] = {}
+    for start, end, who in spans:
+        totals[who] = totals.get(who, 0.0) + end - start
+    first = [who for *_, who in spans]
+    return max(totals, key=lambda k: (totals[k], -first.index(k)))
 
 
 def label_words(result: dict[str, Any], spans: Sequence[tuple[float, float, str]]) -> None:
@@ -330,10 +325,7 @@ def label_words(result: dict[str, Any], spans: Sequence[tuple[float, float, str]
         return min(spans, key=lambda s: min(abs(t - s[0]), abs(t - s[1])))[2]
     for word in result.get("words") or []:
         word["speaker"] = at((word["start"] + word["end"]) / 2)
-    names = [who for _, _, who in spans]
-    order = list(dict.fromkeys(names))
-    index = majority([order.index(n) for n in names], [e - s for s, e, _ in spans])
-    result["speaker"] = order[index]
+    result["speaker"] = main_speaker(spans)
 
 
 # ---- whole files ------------------------------------------------------------------------
@@ -775,9 +767,7 @@ class SessionSpeakers:
             kind = result.get("type")
             if kind == "final":
                 job = self._job(float(result["start"]), float(result["end"]), cut=True)
-                if self._guess is not None:
-                    self._guess[1].stale = True
-                self._guess = None
+                self._new_guess(None)
                 if isinstance(item, Scheduled):
                     item = Scheduled(item.result, Both(item.job, job), item.rules)
                 else:
@@ -785,11 +775,15 @@ class SessionSpeakers:
             elif kind == "partial":
                 start, end = float(result["start"]), float(result["end"])
                 if end - start >= GUESS_S and (self._guess is None or self._guess[0] != start):
-                    if self._guess is not None:
-                        self._guess[1].stale = True
-                    self._guess = (start, self._job(start, end, cut=False))
+                    self._new_guess((start, self._job(start, end, cut=False)))
             out.append(item)
         return out
+
+    def _new_guess(self, guess: tuple[float, EmbedJob] | None) -> None:
+        """The open utterance's guess from now on; the one before it is overtaken."""
+        if self._guess is not None:
+            self._guess[1].stale = True
+        self._guess = guess
 
     def rule(self, result: Any) -> Any:
         """The speaker stage's rule: a final's labels (and a relabel of the one before),
@@ -822,21 +816,19 @@ class SessionSpeakers:
         if self.options.mode == "file":
             out["voices"] = [[s, e, encode_voice(v)] for s, e, v in voices]
         if changed:
-            out["relabel"] = [self._relabel(u) for u, _ in changed]
+            out["relabel"] = [relabel(u, spans) for u, spans in changed]
             from . import metrics
             metrics.SPEAKER_RELABELS.inc(len(changed))
         self.last_speaker = out["speaker"]
         return out
 
-    def _relabel(self, utterance: int) -> dict[str, Any]:
-        """The ``relabel`` of an earlier final: its speaker (that of most of its time)
-        and, where its pieces now have different speakers, each piece's."""
-        spans = [(p.start, p.end, label(p.speaker)) for p in self.memory.pieces
-                 if p.utterance == utterance]
-        names = [who for *_, who in spans]
-        order = list(dict.fromkeys(names))
-        main = order[majority([order.index(n) for n in names], [e - s for s, e, _ in spans])]
-        change: dict[str, Any] = {"utterance": utterance, "speaker": main}
-        if len(order) > 1:
-            change["spans"] = [[s, e, who] for s, e, who in spans]
-        return change
+
+def relabel(utterance: int, parts: Sequence[tuple[float, float, int]]) -> dict[str, Any]:
+    """The ``relabel`` of an earlier final from its pieces (start, end, speaker index): its
+    speaker (that of most of its time) and, where its pieces now have different speakers,
+    each piece's."""
+    spans = [(s, e, label(k)) for s, e, k in parts]
+    change: dict[str, Any] = {"utterance": utterance, "speaker": main_speaker(spans)}
+    if len({who for *_, who in spans}) > 1:
+        change["spans"] = [[s, e, who] for s, e, who in spans]
+    return change

@@ -50,7 +50,7 @@ def place_all(memory: Memory, vectors, turns, options: Options | None = None) ->
         who, changed = memory.place(i, [(3.0 * i, 3.0 * i + seconds, vector)], options)
         shown.append(who[0])
         for utterance, now in changed:
-            shown[utterance] = now[0]
+            shown[utterance] = now[0][2]
     return shown
 
 
@@ -106,10 +106,22 @@ def test_a_later_final_relabels_an_earlier_one():
     assert memory.place(0, [(0, 3, at(0))], Options()) == ([0], [])
     assert memory.place(1, [(4, 7, at(40))], Options()) == ([1], [])  # cos 0.77: apart
     who, changed = memory.place(2, [(8, 11, at(20))], Options())  # between: all one voice
-    assert who == [0] and changed == [(1, [0])]
+    assert who == [0] and changed == [(1, [(4.0, 7.0, 0)])]
     assert {p.speaker for p in memory.pieces} == {0}
     # the freed label is the next new speaker's
     assert memory.place(3, [(12, 15, at(90))], Options())[0] == [1]
+    # a final moved as its pieces are forgotten (into anchors) is still said to move
+    small = Memory()
+    old, speakers.MAX_PIECES = speakers.MAX_PIECES, 1
+    try:
+        small.place(0, [(0, 3, at(0))], Options())
+        small.place(1, [(4, 7, at(40))], Options())
+        who, changed = small.place(2, [(8, 11, at(20))], Options())
+    finally:
+        speakers.MAX_PIECES = old
+    assert [p.utterance for p in small.pieces] == [2]
+    assert changed == [(1, [(4.0, 7.0, 0)])]
+    assert speakers.relabel(1, changed[0][1]) == {"utterance": 1, "speaker": "S1"}
 
 
 def test_stable_labels_keep_the_old_indexes():
