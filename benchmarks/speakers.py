@@ -47,7 +47,7 @@ from benchmarks.stack import Stack, percentile  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
 from cosyvoice import speakers  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
-from tests.helpers import read_pcm, speaker_texts, zh_texts  # noqa: E402
+from tests.helpers import attributed, read_pcm, speaker_texts, zh_texts  # noqa: E402
 from tests.stack import scrape  # noqa: E402
 
 RATE = 16000
@@ -108,26 +108,7 @@ def conversation(who: list[str], rng: random.Random) -> tuple[bytes, list[tuple]
     return np.concatenate(parts).tobytes(), truth
 
 
-# ---- scoring ----------------------------------------------------------------------------
-
-def words_of(finals: list[dict]) -> list[tuple[float, float, str]]:
-    return [(float(w["start"]), float(w["end"]), str(w.get("speaker", "")))
-            for f in finals for w in f.get("words") or []]
-
-
-def attributed(finals: list[dict], truth: list[tuple]) -> float:
-    true, found = [], []
-    for start, end, who in words_of(finals):
-        mid = (start + end) / 2
-        turn = min(truth, key=lambda t: 0 if t[1] <= mid <= t[2]
-                   else min(abs(mid - t[1]), abs(mid - t[2])))
-        true.append(turn[0])
-        found.append(who)
-    if not true:
-        return 0.0
-    mapping = speakers.best_mapping(true, found)
-    return sum(mapping.get(f) == t for t, f in zip(true, found, strict=True)) / len(true)
-
+# ---- scoring (the words' share: tests.helpers.attributed, as the tests score) -----------
 
 def der(finals: list[dict], truth: list[tuple]) -> float:
     """Diarization error rate by time over the reference speech (see the docstring)."""

@@ -174,7 +174,7 @@ class Outbox:
                 out.append(Ready(item.entry_id, [], failed=True))
                 self._queue.clear()
                 break
-            results = item.publishable()
+            results = item.publishable()  # runs the rules: the stages' state is theirs now
             out.append(Ready(item.entry_id, results,
                              self._checkpoint(item.final_checkpoint()), done=item.done))
         return out

@@ -203,8 +203,9 @@ def to_json(finals: list[dict]) -> str:
             if f.get("text", "").strip()]
     text = join_texts([f["text"].strip() for f in kept], [f.get("language") for f in kept])
     whole: dict = {"text": text, "language": language(finals)}
-    if speakers(finals):
-        whole["speakers"] = speakers(finals)
+    who = speakers(finals)
+    if who:
+        whole["speakers"] = who
     return json.dumps({**whole, "finals": kept}, indent=1) + "\n"
 
 

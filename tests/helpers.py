@@ -6,7 +6,9 @@ Starting and stopping processes is tests/launcher.py's.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import wave
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -221,6 +223,21 @@ def write_session(bus: busmod.Bus, sid: str, pcm: bytes, upto: int | None = None
 
 def results(client, sid) -> list[dict]:
     return [json.loads(f[b"r"]) for _id, f in client.xrange(keys.text_key(sid))]
+
+
+def open_sessions(rds) -> list[str]:
+    """The sessions announced in ``rds`` (a client of the service's Redis), oldest first."""
+    return [f[b"sid"].decode() for _id, f in rds.xrange(busmod.Bus(rds).k.sessions)]
+
+
+def kill_owners(rds, killed: list[int]) -> None:
+    """SIGKILL the worker process that holds each open session's lease (its id names its
+    pid), adding each pid to ``killed``: a worker lost mid-session."""
+    owners = [k for k in [rds.get(keys.lease_key(s)) for s in open_sessions(rds)] if k]
+    for owner in owners:
+        pid = int(owner.decode().split("-")[-2])
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
 
 
 def rounds_until(worker: Worker, done: Callable[[], object], timeout: float) -> None:

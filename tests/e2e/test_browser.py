@@ -136,6 +136,17 @@ def wait_until_played(started: float, duration_s: float) -> None:
     time.sleep(max(0.0, started + duration_s - STOP_BEFORE_LOOP_S - time.monotonic()))
 
 
+def record_one_pass(page: Page, duration_s: float) -> None:
+    """Start, one pass of the fake microphone's file, Stop, and back to Start once the
+    server sent ``end`` for the last chunk."""
+    button = page.locator("#record")
+    page.get_by_role("button", name="Start").click()
+    expect(button).to_have_attribute("aria-pressed", "true")
+    wait_until_played(time.monotonic(), duration_s)
+    page.get_by_role("button", name="Stop").click()
+    expect(button).to_have_text("Start", timeout=30_000)
+
+
 def bound(name: str) -> float:
     return phase_bound(TEXTS[name], read_pcm(name))
 
@@ -572,13 +583,7 @@ def test_mandarin_into_the_page_microphone_shows_simplified_text(service, artifa
         page.reload()
         expect(page.get_by_label("Language")).to_have_value("zh")  # remembered
         expect(page.locator("#script-choice")).to_be_visible()
-        button = page.locator("#record")
-        page.get_by_role("button", name="Start").click()
-        expect(button).to_have_attribute("aria-pressed", "true")
-        started = time.monotonic()
-        wait_until_played(started, duration)
-        page.get_by_role("button", name="Stop").click()
-        expect(button).to_have_text("Start", timeout=30_000)
+        record_one_pass(page, duration)
         page.screenshot(path=str(artifacts / "browser-mandarin.png"), full_page=True)
         text = page.locator("#finals").inner_text()
         seen = page.evaluate("window.__seen")
@@ -605,13 +610,7 @@ def test_two_voices_at_the_page_microphone_show_two_speakers(service, artifacts,
         page.get_by_label("Speaker labels").check()
         page.reload()
         expect(page.get_by_label("Speaker labels")).to_be_checked()  # remembered
-        button = page.locator("#record")
-        page.get_by_role("button", name="Start").click()
-        expect(button).to_have_attribute("aria-pressed", "true")
-        started = time.monotonic()
-        wait_until_played(started, duration)
-        page.get_by_role("button", name="Stop").click()
-        expect(button).to_have_text("Start", timeout=30_000)
+        record_one_pass(page, duration)
         page.screenshot(path=str(artifacts / "browser-speakers.png"), full_page=True)
         segments = page.locator("#finals .segment")
         speakers = [segments.nth(i).get_attribute("data-speaker")

@@ -9,8 +9,6 @@ its replica while the session streams.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 
@@ -24,7 +22,7 @@ from cosyvoice.client import StreamingClient
 
 from .. import launcher
 from ..cluster import redis_cluster
-from ..helpers import TEST_ENV, normalize, read_pcm
+from ..helpers import TEST_ENV, kill_owners, normalize, open_sessions, read_pcm
 from ..launcher import wait_for
 from ..netfault import CuttableProxy
 
@@ -196,7 +194,7 @@ def test_killed_worker_mid_utterance_is_invisible_to_the_client(fault_service, r
                                                                 redis_client_for):
     rds = redis_client_for(fault_service)
     killed: list[int] = []
-    result = stream_with(fault_service.url, lambda: _kill_owners(rds, killed), at_s=2.6)
+    result = stream_with(fault_service.url, lambda: kill_owners(rds, killed), at_s=2.6)
     assert killed, "a worker process was killed mid-stream"
     assert strip(result.finals) == reference
     assert [f["utterance"] for f in result.finals] == [0, 1]
@@ -217,24 +215,11 @@ def test_killed_worker_on_an_opus_session_is_invisible_to_the_client(
     state), so its finals equal the lost worker's."""
     rds = redis_client_for(fault_service)
     killed: list[int] = []
-    result = stream_with(fault_service.url, lambda: _kill_owners(rds, killed), at_s=2.6,
+    result = stream_with(fault_service.url, lambda: kill_owners(rds, killed), at_s=2.6,
                          codec="opus", bitrate=24000)
     assert killed, "a worker process was killed mid-stream"
     assert strip(result.finals) == opus_reference
     wait_for(lambda: len(busmod.Bus(rds).live_workers()) >= 2, timeout=30)
-
-
-def _kill_owners(rds, killed: list[int]) -> None:
-    """SIGKILL the worker process that holds each open session's lease."""
-    owners = [k for k in [rds.get(keys.lease_key(s)) for s in _open_sessions(rds)] if k]
-    for owner in owners:
-        pid = int(owner.decode().split("-")[-2])
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
-
-
-def _open_sessions(rds) -> list[str]:
-    return [f[b"sid"].decode() for _id, f in rds.xrange(busmod.Bus(rds).k.sessions)]
 
 
 def _on_cluster(service) -> bool:
@@ -250,7 +235,7 @@ def test_redis_outage_loses_nothing_and_service_resumes(request, fault_service, 
         rds = redis_client_for(fault_service)
 
         def outage():
-            sid = _open_sessions(rds)[-1]  # the newest: this stream
+            sid = open_sessions(rds)[-1]  # the newest: this stream
             primary = rds.get_node_from_key(keys.session_key(sid))
             cluster = fault_service.cluster
             replica = next(n for n in cluster.nodes if n.alive() and n.port != primary.port

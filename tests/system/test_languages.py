@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -19,11 +18,11 @@ import srt
 import webvtt
 
 from cosyvoice import bus as busmod
-from cosyvoice import keys, script
+from cosyvoice import script
 from cosyvoice.client import Refused, StreamingClient, transcribe_pcm
 
 from .. import launcher
-from ..helpers import TEST_ENV, cer, han, joined, write_pcm_wav, zh_texts
+from ..helpers import TEST_ENV, cer, han, joined, kill_owners, write_pcm_wav, zh_texts
 from ..launcher import wait_for
 
 pytestmark = pytest.mark.system
@@ -194,15 +193,7 @@ def test_a_worker_killed_under_a_mandarin_session_changes_nothing(lang_service):
     reference = _run(lang_service, names, pace="realtime")
     rds: Any = busmod.connect(lang_service.redis_url, blocking=False)
     killed: list[int] = []
-
-    def kill_owner():
-        sessions = [f[b"sid"].decode() for _, f in rds.xrange(busmod.Bus(rds).k.sessions)]
-        for owner in filter(None, (rds.get(keys.lease_key(s)) for s in sessions)):
-            pid = int(owner.decode().split("-")[-2])
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-    timer = threading.Timer(4.5, kill_owner)  # in the second sentence
+    timer = threading.Timer(4.5, kill_owners, (rds, killed))  # in the second sentence
     timer.start()
     try:
         got = _run(lang_service, names, pace="realtime")

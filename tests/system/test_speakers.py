@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -21,11 +19,11 @@ import srt
 import webvtt
 
 from cosyvoice import bus as busmod
-from cosyvoice import keys, speakers, subtitles
+from cosyvoice import speakers, subtitles
 from cosyvoice.client import Refused, StreamingClient, transcribe_pcm
 
 from .. import launcher
-from ..helpers import TEST_ENV, attributed, conversation, wer, write_pcm_wav
+from ..helpers import TEST_ENV, attributed, conversation, kill_owners, wer, write_pcm_wav
 from ..launcher import wait_for
 
 pytestmark = pytest.mark.system
@@ -110,15 +108,8 @@ def test_a_worker_killed_mid_conversation_gives_the_same_labels(speaker_service)
                                language="en", diarize=True)
     rds: Any = busmod.connect(speaker_service.redis_url, blocking=False)
     killed: list[int] = []
-
-    def kill_owner():
-        sessions = [f[b"sid"].decode() for _, f in rds.xrange(busmod.Bus(rds).k.sessions)]
-        for owner in filter(None, (rds.get(keys.lease_key(s)) for s in sessions)):
-            pid = int(owner.decode().split("-")[-2])
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-    timer = threading.Timer(truth[2][1] + 0.5, kill_owner)  # in the third turn
+    # in the third turn
+    timer = threading.Timer(truth[2][1] + 0.5, kill_owners, (rds, killed))
     timer.start()
     try:
         got = transcribe_pcm(speaker_service.url, pcm, 16000, pace="realtime", language="en",
