@@ -11,9 +11,13 @@ import io
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
+
 from .codecs import split_chunks
 
-__all__ = ["AudioFileError", "read_audio", "split_chunks"]
+__all__ = ["AudioFileError", "read_audio", "read_channels", "split_chunks"]
+
+MAX_CHANNELS = 8  # the most channels read apart (a file's further channels are left out)
 
 
 class AudioFileError(ValueError):
@@ -24,11 +28,53 @@ def read_audio(source: str | Path | BinaryIO) -> tuple[bytes, int]:
     """(pcm, 16000): the first audio stream of ``source`` (a path, or a binary file such as
     standard input's buffer), decoded, mixed down to mono and resampled to 16 kHz.
     Raises AudioFileError, with one line saying why, for anything that is not audio."""
+    streams, rate = read_channels(source, split=False)
+    return streams[0], rate
+
+
+def read_channels(source: str | Path | BinaryIO | bytes, split: bool = True,
+                  max_channels: int = MAX_CHANNELS) -> tuple[list[bytes], int]:
+    """([pcm per channel], 16000): as ``read_audio``, each channel of the first audio
+    stream on its own (``split``; at most ``max_channels``) or mixed down to one."""
     import av
 
-    if isinstance(source, (str, Path)):
-        name: str | Path = source
-        opened: str | BinaryIO = str(source)
+    name, container = _open(source)
+    try:
+        if not container.streams.audio:
+            raise AudioFileError(f"{name} is not an audio file: it holds no audio stream")
+        stream = container.streams.audio[0]
+        n = min(stream.codec_context.channels or 1, max_channels) if split else 1
+        resampler = av.AudioResampler(format="s16", layout=f"{n}c" if n > 1 else "mono",
+                                      rate=16000)
+        parts: list[bytes] = []
+        try:
+            for frame in container.decode(stream):
+                for out in resampler.resample(frame):
+                    parts.append(bytes(out.planes[0])[:out.samples * 2 * n])
+            for out in resampler.resample(None):
+                parts.append(bytes(out.planes[0])[:out.samples * 2 * n])
+        except (av.FFmpegError, ValueError) as exc:
+            if not parts:
+                raise AudioFileError(_not_audio(name, exc)) from None
+            # a damaged tail: keep what decoded, as players do
+        pcm = b"".join(parts)
+        if n == 1:
+            return [pcm], 16000
+        samples = np.frombuffer(pcm, dtype="<i2").reshape(-1, n)
+        return [np.ascontiguousarray(samples[:, c]).tobytes() for c in range(n)], 16000
+    finally:
+        container.close()
+
+
+def _open(source: str | Path | BinaryIO | bytes):
+    """(the name errors call it, the opened PyAV container)."""
+    import av
+
+    if isinstance(source, bytes):
+        name: str | Path = "the upload"
+        opened: str | BinaryIO = io.BytesIO(source)
+    elif isinstance(source, (str, Path)):
+        name, opened = source, str(source)
     else:
         name, opened = "standard input", io.BytesIO(source.read())  # FFmpeg seeks; a pipe cannot
     try:
@@ -41,25 +87,7 @@ def read_audio(source: str | Path | BinaryIO) -> tuple[bytes, int]:
         raise AudioFileError(f"cannot read {name}: permission denied") from None
     except (av.FFmpegError, OSError, ValueError) as exc:
         raise AudioFileError(_not_audio(name, exc)) from None
-    try:
-        if not container.streams.audio:
-            raise AudioFileError(f"{name} is not an audio file: it holds no audio stream")
-        stream = container.streams.audio[0]
-        resampler = av.AudioResampler(format="s16", layout="mono", rate=16000)
-        parts: list[bytes] = []
-        try:
-            for frame in container.decode(stream):
-                for out in resampler.resample(frame):
-                    parts.append(bytes(out.planes[0])[:out.samples * 2])
-            for out in resampler.resample(None):
-                parts.append(bytes(out.planes[0])[:out.samples * 2])
-        except (av.FFmpegError, ValueError) as exc:
-            if not parts:
-                raise AudioFileError(_not_audio(name, exc)) from None
-            # a damaged tail: keep what decoded, as players do
-        return b"".join(parts), 16000
-    finally:
-        container.close()
+    return name, container
 
 
 def _not_audio(name: str | Path, exc: Exception) -> str:

@@ -30,8 +30,8 @@ from .keys import (
     WORKER_GROUP,
     audio_key,
     client_key,
+    face_key,
     lease_key,
-    realtime_key,
     session_key,
     session_keys,
     sid_from_channel,
@@ -501,11 +501,12 @@ class Bus:
                 out[day] = {text(k): float(v) for k, v in raw.items()}
         return out
 
-    def save_realtime(self, rid: str, state: str, ttl_s: float) -> None:
-        self.r.set(realtime_key(rid), state, px=max(1, int(ttl_s * 1000)))
+    def save_face(self, face: str, cid: str, state: str, ttl_s: float) -> None:
+        """A face's connection state (cosyvoice/keys.py, ``face_key``) for ``ttl_s``."""
+        self.r.set(face_key(face, cid), state, px=max(1, int(ttl_s * 1000)))
 
-    def load_realtime(self, rid: str) -> str | None:
-        raw = self.r.get(realtime_key(rid))
+    def load_face(self, face: str, cid: str) -> str | None:
+        raw = self.r.get(face_key(face, cid))
         return text(raw) if raw is not None else None
 
     def touch_session(self, sid: str) -> None:

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -171,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="speaker labels (S1, S2, ...) on every final and word: live as the "
                          "text comes, and the transcript file's from all of the file's speech "
                          "at once")
+    tr.add_argument("--multichannel", action="store_true",
+                    help="each channel of the file its own stream (a call's agent and "
+                         "customer): finals labelled C1, C2, ... in text, SRT and WebVTT, "
+                         "and one transcript per channel in JSON")
     tr.add_argument("--speakers", type=_speakers, default=None, metavar="N",
                     help="with --diarize: the number of speakers, where you know it")
     tr.add_argument("--min-speakers", type=_speakers, default=None, metavar="N",
@@ -435,7 +440,7 @@ def _stop_children(children: list[subprocess.Popen], stopping: dict) -> None:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
-    from .audio import AudioFileError, read_audio
+    from .audio import AudioFileError, read_channels
     from .subtitles import render
 
     fmt = _output_format(args)
@@ -445,32 +450,31 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if any(n is not None for n in counted) and not args.diarize:
         raise CliError(EXIT_USAGE, "--speakers, --min-speakers and --max-speakers go with "
                                    "--diarize")
+    source = sys.stdin.buffer if args.file == "-" else args.file
     try:
-        pcm, rate = read_audio(sys.stdin.buffer if args.file == "-" else args.file)
+        streams, rate = read_channels(source, split=args.multichannel)
     except AudioFileError as exc:
         raise CliError(EXIT_INPUT, str(exc)) from None
-    if not pcm:
+    if not any(streams):
         raise CliError(EXIT_INPUT, f"{'standard input' if args.file == '-' else args.file} "
                                    "holds no audio")
     live = fmt is None or (args.output is not None and sys.stdout.isatty())
     display = _Display(args.json, quiet=not live)
     try:
-        result = _stream(args, pcm, rate, display.show)
+        if args.multichannel:
+            results = _stream_channels(args, streams, rate, display.show)
+        else:
+            results = [_stream(args, streams[0], rate, display.show)]
     finally:
         display.clear_partial()  # the next line starts where the partial began
-    if result.fatal_errors:
-        error = result.fatal_errors[-1]
-        raise CliError(EXIT_FAILED, f"the stream ended with error {error.get('code')}")
-    if not result.ended:
-        raise CliError(EXIT_FAILED, f"no end of the stream within {args.timeout:g} s")
+    for result in results:
+        _check_ended(args, result)
     if fmt is not None:
-        finals: list[dict] = list(result.finals)
-        if args.diarize:  # the whole file's speech at once labels better than live
-            from .speakers import MAX_SPEAKERS, recluster
-            low = args.speakers or args.min_speakers or 1
-            high = args.speakers or args.max_speakers or MAX_SPEAKERS
-            finals = recluster(finals, low, high)
-        body = render(fmt, finals)
+        per_channel = [_file_finals(args, list(result.finals)) for result in results]
+        if args.multichannel:
+            body = _render_channels(fmt, per_channel)
+        else:
+            body = render(fmt, per_channel[0])
         if args.output is None:
             sys.stdout.write(body)
             sys.stdout.flush()
@@ -481,6 +485,72 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                 raise CliError(EXIT_FAILED, f"cannot write {args.output}: "
                                             f"{exc.strerror or exc}") from None
     return EXIT_OK
+
+
+def _check_ended(args: argparse.Namespace, result) -> None:
+    if result.fatal_errors:
+        error = result.fatal_errors[-1]
+        raise CliError(EXIT_FAILED, f"the stream ended with error {error.get('code')}")
+    if not result.ended:
+        raise CliError(EXIT_FAILED, f"no end of the stream within {args.timeout:g} s")
+
+
+def _file_finals(args: argparse.Namespace, finals: list[dict]) -> list[dict]:
+    """A stream's finals as the transcript file has them: with --diarize, labelled again
+    from the whole file's speech at once (which labels better than live)."""
+    if not args.diarize:
+        return finals
+    from .speakers import MAX_SPEAKERS, recluster
+    low = args.speakers or args.min_speakers or 1
+    high = args.speakers or args.max_speakers or MAX_SPEAKERS
+    return recluster(finals, low, high)
+
+
+def channel_label(channel: int, speaker: str | None = None) -> str:
+    """A final's label in a --multichannel transcript: C1, C2, ... (C1-S2 with --diarize)."""
+    return f"C{channel + 1}" + (f"-{speaker}" if speaker else "")
+
+
+def _labelled(channel: int, final: dict) -> dict:
+    words = [{**w, "speaker": channel_label(channel, w.get("speaker"))}
+             for w in final.get("words") or []]
+    return {**final, "speaker": channel_label(channel, final.get("speaker")),
+            **({"words": words} if words else {})}
+
+
+def _render_channels(fmt: str, per_channel: list[list[dict]]) -> str:
+    """A --multichannel transcript: JSON has each channel's own; text and subtitles have
+    every channel's finals in order of time, each labelled with its channel."""
+    from .subtitles import render
+
+    if fmt == "json":
+        return json.dumps({"channels": [{"channel": c, **json.loads(render("json", finals))}
+                                        for c, finals in enumerate(per_channel)]},
+                          indent=1) + "\n"
+    merged = sorted((_labelled(c, f) for c, finals in enumerate(per_channel) for f in finals),
+                    key=lambda f: (f["start"], f["speaker"]))
+    return render(fmt, merged)
+
+
+def _stream_channels(args: argparse.Namespace, streams: list[bytes], rate: int, show):
+    """Each channel through a session of its own, at once; their events shown labelled."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lock = threading.Lock()
+
+    def shown(channel: int):
+        def on_event(event: str, data: dict) -> None:
+            if event == "text" and data.get("type") == "partial":
+                return  # two partials cannot share one line
+            if event == "text":
+                data = {**data, "speaker": channel_label(channel, data.get("speaker"))}
+            with lock:
+                show(event, {**data, "channel": channel} if args.json else data)
+        return on_event
+
+    with ThreadPoolExecutor(max_workers=len(streams)) as pool:
+        jobs = [pool.submit(_stream, args, pcm, rate, shown(c)) for c, pcm in enumerate(streams)]
+        return [job.result() for job in jobs]
 
 
 def _output_format(args: argparse.Namespace) -> str | None:

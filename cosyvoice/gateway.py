@@ -296,9 +296,9 @@ class Gateway:
                 log.warning("replay of %s failed: %s", conn.session, exc)
 
     def open_session(self, req: ConnectRequest, conn_id: str, output: Output | None = None,
-                     subject: str = ANONYMOUS) -> Connection:
-        """Open and admit a session for connection ``conn_id`` (in a Flask request: the
-        client address is the request's) whose results go to ``output`` (None: the
+                     subject: str = ANONYMOUS, client: str | None = None) -> Connection:
+        """Open and admit a session for connection ``conn_id`` (``client``: the client's
+        address; None: the Flask request's) whose results go to ``output`` (None: the
         Socket.IO connection ``conn_id``). Raises ``RateLimited``, ``Overloaded`` or a
         ``redis.RedisError``; nothing of the session is left then."""
         rate = req.sample_rate or self.settings.default_sample_rate
@@ -311,7 +311,8 @@ class Gateway:
                    **({"speech_events": "1"} if req.speech_events else {}),
                    **dict(req.diarize)}
         session = secrets.token_hex(12)
-        client = request.remote_addr or ""
+        if client is None:
+            client = request.remote_addr or ""
         hold_s = self.settings.max_session_s + self.settings.session_grace_s
         if not self.bus.claim_client_slot(client, session, self.settings.max_sessions_per_client,
                                           hold_s):
@@ -548,6 +549,21 @@ class Gateway:
             log.warning("idle session %s not deleted: %s", conn.session, exc)
         log.info("session idle", extra={"session": conn.session, "event": "idle"})
         self.socketio.server.disconnect(socket_id, namespace=NAMESPACE)
+
+    def save_face(self, face: str, cid: str, state: str, ttl_s: float | None = None) -> None:
+        """A raw-WebSocket face's connection state (``face``: ``realtime``, ``listen``) for
+        a client that comes back to it, kept ``ttl_s`` (None: as long as its sessions may
+        live); nothing where sessions have no grace period. A store that fails is logged:
+        the connection goes on, only its resume is lost."""
+        settings = self.settings
+        if settings.session_grace_s <= 0:
+            return
+        try:
+            self.bus.save_face(face, cid, state, ttl_s if ttl_s is not None
+                               else settings.max_session_s + settings.session_grace_s)
+        except redis.RedisError as exc:
+            metrics.REDIS_ERRORS.inc()
+            log.warning("%s state of %s not saved: %s", face, cid, exc)
 
     def close_session(self, conn: Connection, output_id: str) -> None:
         """The session is over for its client: its results stop, its keys and client

@@ -43,9 +43,10 @@ CLUSTER_CONTROL = Control("{cosyvoice}:sessions", "{cosyvoice}:workers",
                           "{cosyvoice}:worker_capacity")
 
 
-def realtime_key(rid: str) -> str:
-    """A Realtime connection's state, for the client that resumes it (cosyvoice/realtime_api.py)."""
-    return f"realtime:{{{rid}}}"
+def face_key(face: str, cid: str) -> str:
+    """A raw-WebSocket face's connection state, for the client that resumes it: ``realtime``
+    (cosyvoice/realtime_api.py) or ``listen`` (cosyvoice/deepgram_api.py)."""
+    return f"{face}:{{{cid}}}"
 
 
 def usage_key(day: str) -> str:

@@ -18,7 +18,8 @@ example.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, cast
 
 from gevent.queue import Empty, Queue
 
@@ -69,3 +70,19 @@ class QueueOutput:
             return self._queue.get(timeout=timeout_s)
         except Empty:
             return None
+
+
+class SessionsOutput(QueueOutput):
+    """The results of a connection's several sessions (a raw-WebSocket face's: a
+    Realtime connection's, a Deepgram stream's channels), each with its session."""
+
+    def send(self, session: str, result_id: str, message: Published) -> None:
+        self._queue.put((session, result_id, message))
+
+    def each(self, running: Callable[[], bool]) -> Iterator[tuple[str, str, Any]]:
+        """(session, result id, message) as they come, while ``running()``."""
+        while running():
+            got = self.get(1.0)
+            if got is not None:
+                yield cast(Any, got)
+

@@ -29,7 +29,7 @@ import logging
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import gevent
 import gevent.lock
@@ -44,10 +44,9 @@ from .errors import CosyvoiceError, Overloaded, Unauthorized
 from .gateway import Connection, Gateway
 from .languages import joined_piece
 from .limits import ENDPOINT_MS, MAX_PROMPT_CHARS, parse_auth
-from .messages import Published
 from .openai_api import ApiError
-from .outputs import QueueOutput
-from .wshandler import PRECHECKS, SUBPROTOCOLS, Refusal
+from .outputs import SessionsOutput
+from .wshandler import PRECHECKS, SUBPROTOCOLS, Refusal, close_ws
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +106,7 @@ def connect(gateway: Gateway):
     try:  # checked before the upgrade (precheck); here for the name it counts to
         subject = gateway.auth.check(credential(request.environ))
     except Unauthorized:
-        ws.close(1008, "unauthorized")
+        close_ws(ws, 1008, "unauthorized")
         return Response()
     Realtime(gateway, ws, subject).run(request.args.get("session") or None)
     return Response()
@@ -202,13 +201,6 @@ class Item:
         return delta
 
 
-class Output(QueueOutput):
-    """The results of every session of one connection, each with its session."""
-
-    def send(self, session: str, result_id: str, message: Published) -> None:
-        self._queue.put((session, result_id, message))
-
-
 class Realtime:
     def __init__(self, gateway: Gateway, ws, subject: str = ANONYMOUS):
         self.gateway = gateway
@@ -216,7 +208,7 @@ class Realtime:
         self.subject = subject
         self.id = "sess_" + secrets.token_hex(10)
         self.config = Config()
-        self.output = Output(self.id)
+        self.output = SessionsOutput(self.id)
         self._send_lock = gevent.lock.Semaphore()
         self.segment: Segment | None = None
         self.segments: dict[str, Segment] = {}
@@ -270,23 +262,14 @@ class Realtime:
 
     def _save(self, ttl_s: float | None = None) -> None:
         """The connection's state in Redis, for a client that comes back to it."""
-        settings = self.gateway.settings
-        if settings.session_grace_s <= 0:
-            return
-        try:
-            self.gateway.bus.save_realtime(
-                self.id, self._state(),
-                ttl_s if ttl_s is not None else settings.max_session_s + settings.session_grace_s)
-        except redis.RedisError as exc:
-            metrics.REDIS_ERRORS.inc()
-            log.warning("realtime state of %s not saved: %s", self.id, exc)
+        self.gateway.save_face("realtime", self.id, self._state(), ttl_s)
 
     def _resume(self, rid: str) -> bool:
         """Take over the state of connection ``rid`` and its session; False when it is
         gone (past the grace period)."""
         if not rid.startswith("sess_") or len(rid) > 64:
             return False
-        raw = self.gateway.bus.load_realtime(rid)
+        raw = self.gateway.bus.load_face("realtime", rid)
         if raw is None:
             return False
         state = json.loads(raw)
@@ -345,10 +328,7 @@ class Realtime:
         """A session refused or failed: say so and close the connection."""
         self.error(err.msg, err.code, kind="server_error")
         self.closed = True
-        try:
-            self.ws.close(close_code, err.msg[:120])
-        except WebSocketError:
-            pass
+        close_ws(self.ws, close_code, err.msg)
 
     # ---- client events ----------------------------------------------------------------
 
@@ -573,11 +553,7 @@ class Realtime:
     # ---- results ----------------------------------------------------------------------
 
     def relay(self) -> None:
-        while not self.closed:
-            got = self.output.get(1.0)
-            if got is None:
-                continue
-            session, result_id, message = cast(Any, got)
+        for session, result_id, message in self.output.each(lambda: not self.closed):
             segment = self.segments.get(session)
             if segment is None:
                 continue

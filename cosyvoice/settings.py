@@ -212,6 +212,9 @@ class Settings:
     # not sent its last chunk) gets `idle_timeout`: its session ends and it is
     # disconnected (docs/protocol.md, "Keep-alive"). 0: never.
     idle_timeout_s: float = 60.0
+    # A Deepgram /v1/listen connection that sends neither audio nor KeepAlive for this long
+    # is closed (1011 NET-0001), as Deepgram's are after 10 s (docs/deepgram.md). 0: never.
+    listen_idle_timeout_s: float = 10.0
     # How long a client told `overloaded` should wait before it tries again.
     overload_retry_ms: int = 2000
     # The largest upload POST /v1/audio/transcriptions takes (OpenAI's limit: 25 MB);
@@ -383,6 +386,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "sweep_idle_s": _more_than(0),
     "overload_retry_ms": _at_least(0),
     "idle_timeout_s": _at_least(0),
+    "listen_idle_timeout_s": _at_least(0),
     "max_upload_mb": _at_least(1),
     "log_level": (is_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
 }

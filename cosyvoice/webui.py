@@ -33,8 +33,10 @@ CONTENT_SECURITY_POLICY = (
     "base-uri 'self'; form-action 'self'; frame-ancestors 'none'")
 # The faces beside Socket.IO, as "module:function": each function is called with the app
 # and the gateway (its sessions, admission, limits, relay and metrics) and adds its
-# routes: OpenAI's transcription API (docs/openai.md).
-FACES: tuple[str, ...] = ("cosyvoice.openai_api:install", "cosyvoice.realtime_api:install")
+# routes: OpenAI's transcription and Realtime APIs (docs/openai.md), Deepgram's live and
+# pre-recorded /v1/listen (docs/deepgram.md).
+FACES: tuple[str, ...] = ("cosyvoice.openai_api:install", "cosyvoice.realtime_api:install",
+                          "cosyvoice.deepgram_api:install")
 
 
 def install_faces(app: Flask, gateway: Gateway, faces: Sequence[str]) -> None:

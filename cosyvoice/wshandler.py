@@ -14,6 +14,7 @@ Socket.IO's own upgrades (``/socket.io/``) have no check and go on as before.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,22 @@ Refusal = tuple[str, list[tuple[str, str]], bytes]
 PRECHECKS: dict[str, Callable[[dict], Refusal | None]] = {}
 # path -> the subprotocols the face takes, in order of preference
 SUBPROTOCOLS: dict[str, tuple[str, ...]] = {}
+# the environ entry where a check leaves what undoes it if the upgrade fails after all
+ABANDON = "cosyvoice.abandon"
+
+
+def close_ws(ws: Any, code: int, reason: str = "") -> None:
+    """Close a gevent-websocket socket with ``code`` and ``reason`` (its own ``close``
+    sends the reason without the code)."""
+    if ws is None or ws.closed:
+        return
+    payload = struct.pack("!H", code) + reason.encode("utf-8")[:123]
+    try:
+        ws.send_frame(payload, opcode=ws.OPCODE_CLOSE)
+    except Exception:  # noqa: BLE001 - the peer is gone: nothing to tell it
+        pass
+    finally:
+        ws.closed = True
 
 
 class Handler(WebSocketHandler):
@@ -37,7 +54,11 @@ class Handler(WebSocketHandler):
                 status, headers, body = refused
                 self.start_response(status, [*headers, ("Content-Length", str(len(body)))])
                 return [body]
-        return super().upgrade_websocket()
+        failed = super().upgrade_websocket()
+        abandon = self.environ.pop(ABANDON, None)
+        if failed is not None and abandon is not None:
+            abandon()  # what the check opened for a connection that is not coming
+        return failed
 
     def _is_upgrade(self) -> bool:
         return (self.environ.get("REQUEST_METHOD") == "GET"

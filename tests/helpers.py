@@ -87,10 +87,11 @@ def read_pcm(name: str) -> bytes:
         return w.readframes(w.getnframes())
 
 
-def write_pcm_wav(path: Any, pcm: bytes, rate: int = 16000) -> None:
-    """16-bit mono PCM as a WAV file (a fake microphone's, or a client's recording)."""
+def write_pcm_wav(path: Any, pcm: bytes, rate: int = 16000, channels: int = 1) -> None:
+    """16-bit PCM (interleaved where ``channels`` > 1) as a WAV file (a fake microphone's,
+    or a client's recording)."""
     with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
+        w.setnchannels(channels)
         w.setsampwidth(2)
         w.setframerate(rate)
         w.writeframes(pcm)

@@ -270,6 +270,42 @@ def test_openai_realtime_clients_stream_through_nginx(stack):
         TEXTS["weather"], direct_decode(read_pcm("weather"))) + 0.01
 
 
+def test_deepgram_clients_stream_and_upload_through_nginx(stack, monkeypatch):
+    """The stock ``deepgram-sdk`` over wss and https through nginx: a live stream's final
+    and Metadata, and the same sentence as a pre-recorded upload."""
+    import httpx
+    from deepgram import DeepgramClient
+    from deepgram.environment import DeepgramClientEnvironment
+
+    # the live socket takes no TLS context: websockets' default one reads SSL_CERT_FILE
+    monkeypatch.setenv("SSL_CERT_FILE", str(stack.nginx.ca))
+    host = stack.nginx.url.split("://", 1)[1]
+    http = httpx.Client(verify=ssl.create_default_context(cafile=stack.nginx.ca), timeout=60)
+    dg = DeepgramClient(api_key="unused", httpx_client=http,
+                        environment=DeepgramClientEnvironment(
+                            base=f"https://{host}", production=f"wss://{host}",
+                            agent=f"wss://{host}", agent_rest=f"https://{host}"))
+    audio = read_pcm("weather") + b"\0\0" * 16000
+    with dg.listen.v1.connect(model="nova-3", encoding="linear16", sample_rate=16000) as ws:
+        for i in range(0, len(audio), 3200):
+            ws.send_media(audio[i:i + 3200])
+        ws.send_close_stream()
+        seen = []
+        for message in ws:
+            seen.append(message)
+            if message.type == "Metadata":
+                break
+    live = " ".join(m.channel.alternatives[0].transcript for m in seen
+                    if m.type == "Results" and m.is_final)
+    with http:
+        upload = dg.listen.v1.media.transcribe_file(
+            request=(FIXTURES / "weather.wav").read_bytes(), model="nova-3")
+    bound = wer(TEXTS["weather"], direct_decode(read_pcm("weather"))) + 0.01
+    assert wer(TEXTS["weather"], live) <= bound
+    assert wer(TEXTS["weather"], upload.results.channels[0].alternatives[0].transcript) <= bound
+    assert seen[-1].type == "Metadata"
+
+
 def test_plain_http_redirects_to_https(stack):
     url = f"http://127.0.0.1:{stack.nginx.http_port}/static/x.js?v=1"
     response = requests.get(url, allow_redirects=False, timeout=10)
