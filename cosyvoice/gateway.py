@@ -166,6 +166,9 @@ class Gateway:
         if relay_results:
             gevent.spawn(self.write_usage)
         self.connections: dict[str, Connection] = {}
+        # the sessions this process holds for a client now, of every face (Socket.IO,
+        # files, Realtime, Deepgram): ``cosyvoice_sessions_active``
+        self.held: set[str] = set()
         # Session modes the workers' engine offers (auth ``mode``); the first is the default.
         self.modes = ENGINES[settings.engine].modes
         # and the languages (auth ``language``; the first is the default)
@@ -339,6 +342,7 @@ class Gateway:
             self._discard(session, client)
             raise
         log.info("session opened", extra={"session": session, "event": "connect"})
+        self.held.add(session)
         return Connection(session=session, rate=rate, conn_id=conn_id, client=client,
                           bucket=self._bucket(), mode=mode, options=options, subject=subject)
 
@@ -380,6 +384,7 @@ class Gateway:
         self.relay.subscribe(conn.session, output or SocketIOOutput(
             self.socketio, conn_id, partials=conn.options.get("interim") != "0"), after=after)
         log.info("session resumed", extra={"session": conn.session, "event": "resume"})
+        self.held.add(conn.session)
         return conn
 
     def release_session(self, conn: Connection, output_id: str) -> bool:
@@ -388,6 +393,7 @@ class Gateway:
         connection took it over meanwhile (raises ``redis.RedisError``)."""
         # Two steps, neither skipped for the other's failure: a session whose connection is
         # not released stays held, and its keys outlive the grace period.
+        self.held.discard(conn.session)
         try:
             self.relay.unsubscribe(conn.session, output_id)
         except Exception:  # noqa: BLE001 - whatever the subscriber raised, release below
@@ -569,6 +575,7 @@ class Gateway:
         """The session is over for its client: its results stop, its keys and client
         slot go (raises ``redis.RedisError``)."""
         conn.stopped = True
+        self.held.discard(conn.session)
         self.relay.unsubscribe(conn.session, output_id)
         self.bus.delete_session(conn.session)
         self.bus.release_client_slot(conn.client, conn.session)

@@ -35,7 +35,7 @@ from .errors import ERROR_CODES
 # ---- gateway ----------------------------------------------------------------------------
 
 SESSIONS_ACTIVE = Gauge(
-    "cosyvoice_sessions_active", "Sessions connected to this gateway instance",
+    "cosyvoice_sessions_active", "Sessions this gateway instance holds for a client (every face)",
     multiprocess_mode="livesum")
 CHUNKS_ACCEPTED = Counter(
     "cosyvoice_chunks_accepted", "Audio chunks acked: stored, or a duplicate of a stored one",

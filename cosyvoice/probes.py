@@ -50,10 +50,10 @@ def install(app: Flask, gateway) -> None:
         body, content_type = metrics.exposition()
         return Response(body, content_type=content_type)
 
-    gevent.spawn(_sample_sessions, gateway.connections)
+    gevent.spawn(_sample_sessions, gateway.held)
 
 
-def _sample_sessions(connections: dict) -> None:
+def _sample_sessions(held: set) -> None:
     while True:
-        metrics.SESSIONS_ACTIVE.set(len(connections))
+        metrics.SESSIONS_ACTIVE.set(len(held))
         gevent.sleep(SESSIONS_SAMPLE_S)

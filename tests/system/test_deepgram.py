@@ -29,6 +29,7 @@ from cosyvoice.client import transcribe_pcm
 
 from .. import launcher
 from ..helpers import TEST_ENV, fixture_texts, joined, read_pcm, reference_text, wer, write_pcm_wav
+from ..stack import scrape
 
 pytestmark = pytest.mark.system
 
@@ -162,6 +163,8 @@ def test_keepalive_holds_an_idle_stream_and_without_it_the_stream_closes(face):
         for _ in range(int(IDLE_S * 2 / 0.5)):  # twice the idle timeout, kept alive
             ws.send_keep_alive()
             time.sleep(0.5)
+        # the stream's session is counted as any client's (sampled each second)
+        assert scrape(face.url + "/metrics")["cosyvoice_sessions_active"] == 1
         send(ws, read_pcm("weather") + SILENCE)
         ws.send_close_stream()
         seen = until(ws, lambda m: m.type == "Metadata")
