@@ -193,7 +193,7 @@ def test_two_channels_each_get_their_own_text_live_and_as_a_file(face, tmp_path)
         send(ws, audio, 2 * STEP)
         ws.send_close_stream()
         seen = until(ws, lambda m: m.type == "Metadata")
-    by_channel = {0: [], 1: []}
+    by_channel: dict[int, list[str]] = {0: [], 1: []}
     for m in finals_of(seen):
         assert m.channel_index[1] == 2
         if m.channel.alternatives[0].transcript:

@@ -118,10 +118,10 @@ def test_g711_is_decoded_by_ffmpeg():
 
     pcm = (8000 * np.sin(np.arange(8000) * 2 * np.pi * 300 / 8000)).astype("<i2")
     encoder = av.CodecContext.create("pcm_mulaw", "w")
-    encoder.sample_rate, encoder.format, encoder.layout = 8000, "s16", "mono"  # type: ignore[attr-defined]
+    encoder.sample_rate, encoder.format, encoder.layout = 8000, "s16", "mono"
     frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
     frame.sample_rate = 8000
-    ulaw = b"".join(bytes(p) for p in encoder.encode(frame))  # type: ignore[attr-defined]
+    ulaw = b"".join(bytes(p) for p in encoder.encode(frame))
     assert len(ulaw) == len(pcm)
     back = np.frombuffer(open_input("mulaw", 8000, 1, False).feed(ulaw)[0], dtype="<i2")
     assert len(back) == len(pcm)
