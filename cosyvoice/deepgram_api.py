@@ -24,8 +24,9 @@ the last word, on the audio clock). Close codes: 1000 after ``CloseStream``, 101
 1011 when the session store fails.
 
 A client that loses its connection may come back within the grace period with
-``session=<request_id>`` (the ``request_id`` of every ``Results``): the sessions it had go
-on, and the results it was not sent yet come first.
+``session=<request_id>`` (the upgrade's ``dg-request-id``, every ``Results``'
+``request_id``) and ``received=<seconds>`` (where the last final it got ends): the
+sessions it had go on, and every result after that comes first.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from .live_audio import (
     open_input,
 )
 from .outputs import SessionsOutput
-from .wshandler import ABANDON, PRECHECKS, SUBPROTOCOLS, Refusal, close_ws
+from .wshandler import ABANDON, PRECHECKS, SUBPROTOCOLS, UPGRADE_HEADERS, Refusal, close_ws
 
 log = logging.getLogger(__name__)
 
@@ -285,6 +286,20 @@ def client_address(environ: dict, trusted_proxies: int) -> str:
     return environ.get("REMOTE_ADDR", "")
 
 
+def _received(query: dict[str, list[str]]) -> float | None:
+    """A resuming client's ``received``: where the last final it got ends (seconds)."""
+    values = query.get("received")
+    if not values:
+        return None
+    try:
+        value = float(values[-1])
+    except ValueError:
+        raise ListenError(400, "Bad Request", "received must be seconds of audio") from None
+    if not value >= 0:
+        raise ListenError(400, "Bad Request", "received must be seconds of audio")
+    return value
+
+
 def install(app: Flask, gateway: Gateway) -> None:
     PRECHECKS[PATH] = lambda environ: precheck(gateway, environ)
     SUBPROTOCOLS[PATH] = ("token", "bearer")
@@ -305,7 +320,7 @@ def precheck(gateway: Gateway, environ: dict) -> Refusal | None:
     try:
         listen = Listen(gateway, Params.parse(query, gateway), subject, request_id)
         resume = (query.get("session") or [""])[-1]
-        if not (resume and listen.resume(resume)):
+        if not (resume and listen.resume(resume, _received(query))):
             listen.open(client_address(environ, gateway.settings.trusted_proxies))
     except ListenError as err:
         return err.refusal(request_id)
@@ -318,6 +333,7 @@ def precheck(gateway: Gateway, environ: dict) -> Refusal | None:
                            1000).refusal(request_id)
     environ[ENV_KEY] = listen
     environ[ABANDON] = listen.abandon  # the upgrade failed after all
+    environ[UPGRADE_HEADERS] = [("dg-request-id", listen.request_id)]
     return None
 
 
@@ -381,6 +397,7 @@ class Channel:
     utterance_ended: float | None = None  # the last_word_end an UtteranceEnd was sent for
     spoke_at: float | None = None  # the last speech start after last_word_end
     last_seq: int = -1  # the session's last chunk, once stored
+    skip_until: float = -1.0  # resumed with ``received``: results that end by then are had
     ended: bool = False
     last_result: str = "-"
 
@@ -449,9 +466,11 @@ class Listen:
         self.channels.append(channel)
         self.by_session[channel.conn.session] = channel
 
-    def resume(self, request_id: str) -> bool:
+    def resume(self, request_id: str, received: float | None = None) -> bool:
         """Take over connection ``request_id``'s sessions (False: past the grace period,
-        or not a request id)."""
+        or not a request id). ``received``: where the last final the client got ends
+        (seconds): every result after it is sent again; None: those the server had not
+        sent yet."""
         try:
             uuid.UUID(request_id)
         except ValueError:
@@ -465,17 +484,23 @@ class Listen:
         self.request_id = request_id
         self.input = self._input()
         for index, ch in enumerate(state["channels"]):
+            again = received is not None and received < ch["tile"]
             conn = self.gateway.resume_session(ch["session"],
                                                f"{request_id}-{index}-{secrets.token_hex(3)}",
-                                               self.output, after=ch["last_result"],
+                                               self.output,
+                                               after="-" if again else ch["last_result"],
                                                subject=self.subject)
             if conn is None:
                 self.abandon()
                 return False
-            channel = Channel(index, conn, seq=conn.next_seq, tile=ch["tile"],
-                              audio_s=ch["audio_s"], last_word_end=ch["last_word_end"],
+            channel = Channel(index, conn, seq=conn.next_seq, audio_s=ch["audio_s"],
+                              last_word_end=ch["last_word_end"],
                               utterance_ended=ch["utterance_ended"],
                               last_result=ch["last_result"])
+            if received is not None and again:  # the results after ``received`` go out
+                channel.tile = channel.skip_until = received  # again; the rest is skipped
+            else:
+                channel.tile = ch["tile"]
             self._add(channel)
         self.resumed = True
         return True
@@ -649,6 +674,9 @@ class Listen:
 
     def _store(self, channel: Channel, pcm: bytes, finalize: bool = False,
                last: bool = False) -> None:
+        # busy with the client's audio (a large frame at the rate limit takes a while):
+        # not idle
+        self.heard = time.monotonic()
         self.gateway.store_pcm(channel.conn, pcm, channel.seq, self.rate, finalize=finalize,
                                last=last)
         if last:
@@ -706,9 +734,13 @@ class Listen:
             self.fail(1008, "DATA-0000", f"the payload cannot be decoded as audio: {err}")
             return False
         self._take(streams, last=True)
-        if not self.ended.wait(timeout=self._drain_timeout()):
-            self.fail(1011, "NET-0000", "the last results did not come in time")
-            return False
+        deadline = time.monotonic() + self._drain_timeout()
+        while not self.ended.wait(timeout=1.0):
+            if self.closed:  # the client left meanwhile: its sessions wait for it
+                return False
+            if time.monotonic() > deadline:
+                self.fail(1011, "NET-0000", "the last results did not come in time")
+                return False
         duration = max((c.audio_s for c in self.channels), default=0.0)
         self.send(self.metadata(duration))
         self._close(1000, "")
@@ -744,6 +776,8 @@ class Listen:
 
     def result(self, channel: Channel, message: Any) -> None:
         kind = message["type"]
+        if channel.skip_until >= 0 and self._had(channel, message):
+            return
         if kind == "partial":
             if self.params.interim and message.get("text", "").strip():
                 self.send(self.results(channel, message, is_final=False))
@@ -765,6 +799,19 @@ class Listen:
                 self.ended.set()
         elif kind == "error":
             self.fail(1011, "NET-0000", message["msg"])
+
+    def _had(self, channel: Channel, message: Any) -> bool:
+        """A resume's replay: whether the client had ``message`` (it ends by the
+        ``received`` the client named); the first result after that ends the skipping."""
+        kind = message["type"]
+        if kind == "speech_started":
+            return float(message["start"]) < channel.skip_until
+        if kind not in ("partial", "final"):
+            return False
+        if float(message["end"]) <= channel.skip_until:
+            return True
+        channel.skip_until = -1.0
+        return False
 
     def _speech_started(self, channel: Channel, start: float) -> None:
         gap_ms = self.params.utterance_end_ms

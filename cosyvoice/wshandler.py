@@ -29,6 +29,8 @@ PRECHECKS: dict[str, Callable[[dict], Refusal | None]] = {}
 SUBPROTOCOLS: dict[str, tuple[str, ...]] = {}
 # the environ entry where a check leaves what undoes it if the upgrade fails after all
 ABANDON = "cosyvoice.abandon"
+# and the headers it adds to the upgrade's 101 response
+UPGRADE_HEADERS = "cosyvoice.upgrade_headers"
 
 
 def close_ws(ws: Any, code: int, reason: str = "") -> None:
@@ -66,19 +68,22 @@ class Handler(WebSocketHandler):
 
     def upgrade_connection(self):
         # gevent-websocket echoes a subprotocol only through the application's
-        # ``app_protocol``; the faces name theirs here instead.
+        # ``app_protocol``; the faces name theirs here instead (and a check's headers).
         offered = [p.strip() for p in
                    self.environ.get("HTTP_SEC_WEBSOCKET_PROTOCOL", "").split(",") if p.strip()]
         taken = next((p for p in SUBPROTOCOLS.get(self.environ.get("PATH_INFO", ""), ())
                       if p in offered), None)
-        if taken is None:
+        extra = list(self.environ.get(UPGRADE_HEADERS, ()))
+        if taken is not None:
+            extra.append(("Sec-WebSocket-Protocol", taken))
+        if not extra:
             return super().upgrade_connection()
         handler: Any = self  # gevent-websocket's attributes are untyped
         start_response = handler.start_response
 
         def with_protocol(status, headers, exc_info=None):
             if status.startswith("101"):
-                headers = [*headers, ("Sec-WebSocket-Protocol", taken)]
+                headers = [*headers, *extra]
             return start_response(status, headers, exc_info)
 
         handler.start_response = with_protocol
