@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
@@ -107,14 +107,33 @@ def _single_write(cls: type) -> type:
     return type(f"SingleWrite{cls.__name__}", (_SingleWrite, cls), {})
 
 
+def credentials(url: str, ca_file: str = "") -> dict[str, Any]:
+    """The user, password and TLS of a seed URL (``redis://user:pass@host``, ``rediss://``
+    for TLS, verified against ``ca_file`` where given) as redis-py's connection options:
+    what every connection to a cluster's nodes needs, pub/sub included."""
+    parts = urlsplit(url.strip())
+    found: dict[str, Any] = {}
+    if parts.username:
+        found["username"] = unquote(parts.username)
+    if parts.password:
+        found["password"] = unquote(parts.password)
+    if parts.scheme == "rediss":
+        found["ssl"] = True
+        if ca_file:
+            found["ssl_ca_certs"] = ca_file
+    return found
+
+
 def connect(url: str, max_connections: int = 512, blocking: bool = True,
-            cluster: bool = False) -> redis.Redis:
+            cluster: bool = False, ca_file: str = "") -> redis.Redis:
     """A client whose pool waits for a free connection instead of failing at the cap.
 
     ``cluster``: a ``RedisCluster`` client seeded by the comma-separated node URLs in
     ``url``, with such a pool per node. It is typed as ``redis.Redis``: ``Bus`` uses the
     commands both share and, where a cluster needs it, takes another path
-    (``Bus.cluster``)."""
+    (``Bus.cluster``). A URL's user and password, and TLS (``rediss://``, verified
+    against ``ca_file`` where given), reach every connection: a cluster's are the first
+    seed's."""
     pool_cls = redis.BlockingConnectionPool if blocking else redis.ConnectionPool
     kwargs: dict[str, Any] = {"max_connections": max_connections}
     if blocking:
@@ -126,10 +145,12 @@ def connect(url: str, max_connections: int = 512, blocking: bool = True,
         node_pool = functools.partial(pool_cls, connection_class=_single_write(redis.Connection),
                                       **pool_kwargs)
         client: Any = RedisCluster(startup_nodes=nodes, connection_pool_class=node_pool,
-                                   health_check_interval=30, max_connections=max_connections)
+                                   health_check_interval=30, max_connections=max_connections,
+                                   **credentials(url.split(",")[0], ca_file))
         _count_redirections(client)
         return client
-    pool = pool_cls.from_url(url, health_check_interval=30, **kwargs)
+    tls = {"ssl_ca_certs": ca_file} if ca_file and url.startswith("rediss://") else {}
+    pool = pool_cls.from_url(url, health_check_interval=30, **kwargs, **tls)
     pool.connection_class = _single_write(pool.connection_class)
     return redis.Redis(connection_pool=pool)
 

@@ -298,7 +298,8 @@ def cmd_usage(settings: Settings, days: int, as_json: bool) -> int:
     today = datetime.datetime.now(datetime.timezone.utc).date()
     wanted = [(today - datetime.timedelta(days=n)).isoformat() for n in range(max(1, days))]
     try:
-        client = busmod.connect(settings.redis_url, cluster=settings.redis_cluster)
+        client = busmod.connect(settings.redis_url, cluster=settings.redis_cluster,
+                                ca_file=settings.redis_ca_file)
         found = busmod.Bus(client).usage(wanted)
     except redis.RedisError as exc:
         raise CliError(EXIT_UNREACHABLE, f"cannot read usage from Redis: {exc}") from None

@@ -24,7 +24,7 @@ log = logging.getLogger("cosyvoice.worker")
 def _run_child(settings: Settings, model: Model) -> int:
     model.after_fork()
     client = busmod.connect(settings.redis_url, max_connections=8, blocking=False,
-                            cluster=settings.redis_cluster)
+                            cluster=settings.redis_cluster, ca_file=settings.redis_ca_file)
     worker = Worker(settings, model, client)
     stops = {"n": 0}
 

@@ -281,7 +281,8 @@ class ShardedChannels:
         node = self.cluster.get_node_from_key(channel)
         reader = self.readers.get(node.name)
         if reader is None:
-            conn = redis.Redis(host=node.host, port=node.port, health_check_interval=30)
+            conn = redis.Redis(host=node.host, port=node.port, health_check_interval=30,
+                               **self._credentials())
             reader = self.readers[node.name] = conn.pubsub()
             self._watchers[node.name] = _NodeWatch(self, node.name)
             if self._started:
@@ -290,6 +291,12 @@ class ShardedChannels:
         self.owner[channel] = node.name
         watch = self._watchers[node.name]
         watch.connection = on_reconnect(reader, watch.connection, watch.reconnected)
+
+    def _credentials(self) -> dict:
+        """The cluster client's user, password and TLS, for a node's own subscriber."""
+        kwargs = self.cluster.nodes_manager.connection_kwargs
+        return {k: v for k, v in kwargs.items()
+                if k in ("username", "password", "credential_provider") or k.startswith("ssl")}
 
     def reconnected(self, name: str) -> None:
         """redis-py connected a node's subscriber again and subscribed it to its

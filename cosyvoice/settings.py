@@ -35,6 +35,9 @@ class Settings:
     redis_url: str = ""
     # Connect to a Redis Cluster (redis-py's RedisCluster) instead of one Redis.
     redis_cluster: bool = False
+    # CA certificates (PEM) that verify the Redis servers' TLS certificates, for
+    # rediss:// URLs; empty: the system's CAs.
+    redis_ca_file: str = ""
     # Gateway bind address and port.
     host: str = "127.0.0.1"
     port: int = 5000
@@ -328,6 +331,7 @@ def _one_of(*choices) -> tuple[Callable, str]:
 
 # What each setting may be; values outside these stop a process before it starts.
 _RULES: dict[str, tuple[Callable, str]] = {
+    "redis_ca_file": ((lambda v: v == "" or os.path.isfile(v)), "a readable PEM file, or empty"),
     "redis_url": (_redis_url, "redis://host:port[/db], rediss://... or unix:///path "
                               "(empty: embedded Redis; a cluster's seeds separated by commas)"),
     "port": ((lambda v: 1 <= v <= 65535), "a port from 1 to 65535"),

@@ -68,7 +68,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         async_handlers=False)
     client = client or busmod.connect(settings.redis_url or "redis://127.0.0.1:6379/0",
                                       settings.redis_max_connections,
-                                      cluster=settings.redis_cluster)
+                                      cluster=settings.redis_cluster,
+                                      ca_file=settings.redis_ca_file)
     gateway = Gateway(settings, socketio, client, relay_results)
     gateway.register()
     if settings.trusted_proxies > 0:

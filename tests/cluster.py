@@ -41,13 +41,14 @@ class Node:
     port: int
     proc: subprocess.Popen
     workdir: Path
+    password: str = ""
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis(port=self.port, socket_timeout=5, password=self.password or None)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -56,18 +57,21 @@ class Node:
 @dataclass
 class Cluster:
     nodes: list[Node] = field(default_factory=list)
+    password: str = ""  # every node requires it (``requirepass``), replicas included
 
     @property
     def url(self) -> str:
         """Every node as a comma-separated seed list (COSYVOICE_REDIS_URL)."""
-        return ",".join(f"redis://{n.address}" for n in self.nodes)
+        auth = f":{self.password}@" if self.password else ""
+        return ",".join(f"redis://{auth}{n.address}" for n in self.nodes)
 
     def primaries(self) -> list[Node]:
         return [n for n in self.nodes if n.alive() and _role(n) == "master"]
 
     def client(self) -> redis.cluster.RedisCluster:
         live = next(n for n in self.nodes if n.alive())
-        return redis.cluster.RedisCluster(host="127.0.0.1", port=live.port)
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=live.port,
+                                          password=self.password or None)
 
     def key_counts(self) -> dict[int, int]:
         """Keys held by each live primary."""
@@ -169,16 +173,17 @@ def _free_cluster_port() -> int:
     raise RuntimeError("no free pair of ports for a cluster node")
 
 
-def _start_node(workdir: Path, node_timeout_ms: int) -> Node:
+def _start_node(workdir: Path, node_timeout_ms: int, password: str = "") -> Node:
     port = _free_cluster_port()
     workdir.mkdir(parents=True)
+    auth = ["--requirepass", password, "--masterauth", password] if password else []
     proc = subprocess.Popen(
         [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
          "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
          "--save", "", "--appendonly", "no", "--dir", str(workdir), "--daemonize", "no",
-         "--logfile", str(workdir / "redis.log")],
+         "--logfile", str(workdir / "redis.log"), *auth],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    node = Node(port, proc, workdir)
+    node = Node(port, proc, workdir, password)
     deadline = time.monotonic() + scaled(10)
     while True:
         try:
@@ -193,22 +198,24 @@ def _start_node(workdir: Path, node_timeout_ms: int) -> Node:
 
 
 @contextmanager
-def redis_cluster(masters: int = 3, replicas: int = 0) -> Iterator[Cluster]:
+def redis_cluster(masters: int = 3, replicas: int = 0, password: str = "") -> Iterator[Cluster]:
     """A cluster of ``masters`` primaries with ``replicas`` replicas each, torn down
-    (processes and files) on exit."""
+    (processes and files) on exit; with ``password``, every node requires it."""
     if not (shutil.which(REDIS_SERVER) and shutil.which(REDIS_CLI)):
         raise RuntimeError(f"{REDIS_SERVER} and {REDIS_CLI} are needed (Debian's "
                            "redis-server package; .ci/run installs it)")
     root = Path(tempfile.mkdtemp(prefix="cosyvoice-cluster-"))
-    cluster = Cluster()
+    cluster = Cluster(password=password)
     try:
         for i in range(masters * (1 + replicas)):
             cluster.nodes.append(_start_node(
-                root / f"node{i}", NODE_TIMEOUT_MS if replicas else NODE_TIMEOUT_NO_REPLICAS_MS))
+                root / f"node{i}", NODE_TIMEOUT_MS if replicas else NODE_TIMEOUT_NO_REPLICAS_MS,
+                password))
         subprocess.run([REDIS_CLI, "--cluster", "create",
                         *[n.address for n in cluster.nodes],
                         "--cluster-replicas", str(replicas), "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
+                       check=True, capture_output=True, timeout=60,
+                       env={**os.environ, "REDISCLI_AUTH": password} if password else None)
         cluster.wait_ok()
         if replicas:
             _wait_replicas(cluster, masters * replicas)

@@ -116,10 +116,11 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 3
     raise TimeoutError(f"{url} did not answer within {scaled(timeout):.0f}s")
 
 
-def live_worker_ids(redis_url: str) -> set[str]:
+def live_worker_ids(redis_url: str, ca_file: str = "") -> set[str]:
     """The live ASR worker processes on this Redis (several comma-separated seeds: a
-    cluster), by id."""
-    client = busmod.connect(redis_url, blocking=False, cluster="," in redis_url)
+    cluster; ``ca_file``: its TLS certificates' CA), by id."""
+    client = busmod.connect(redis_url, blocking=False, cluster="," in redis_url,
+                            ca_file=ca_file)
     try:
         return {w["id"] for w in busmod.Bus(client).live_workers()}
     finally:
@@ -127,11 +128,12 @@ def live_worker_ids(redis_url: str) -> set[str]:
 
 
 def wait_workers(redis_url: str, count: int, timeout: float = 60.0,
-                 besides: frozenset[str] = frozenset()) -> None:
+                 besides: frozenset[str] = frozenset(), ca_file: str = "") -> None:
     """Until at least ``count`` ASR worker processes other than ``besides`` send
     heartbeats to this Redis (those of an earlier service on the same Redis may lapse
     meanwhile: counted by id, they neither help nor hinder)."""
-    wait_for(lambda: len(live_worker_ids(redis_url) - besides) >= count, timeout=timeout)
+    wait_for(lambda: len(live_worker_ids(redis_url, ca_file) - besides) >= count,
+             timeout=timeout)
 
 
 # ---- stopping ------------------------------------------------------------------------------
@@ -280,13 +282,14 @@ def start_worker_pool(redis_url: str, *, processes: int = 1, capacity: int | Non
         port = free_port()
         settings["COSYVOICE_WORKER_METRICS_PORT"] = str(port)
         metrics_url = f"http://{LOOPBACK}:{port}/metrics"
-    before = frozenset(live_worker_ids(redis_url)) if wait else frozenset()
+    ca_file = (env or {}).get("COSYVOICE_REDIS_CA_FILE", "")
+    before = frozenset(live_worker_ids(redis_url, ca_file)) if wait else frozenset()
     proc = launch(compose_command("worker"), {**settings, **(env or {})},
                   _log_path(logs, name), root)
     pool = WorkerPool(proc, _log_path(logs, name), processes, metrics_url)
     if wait:
         try:
-            wait_workers(redis_url, processes, timeout, besides=before)
+            wait_workers(redis_url, processes, timeout, besides=before, ca_file=ca_file)
         except TimeoutError:
             stop(proc)
             raise
