@@ -592,7 +592,10 @@ class _Display:
         elif event == "text":
             self._final(data)
         elif event == "error":
-            print(f"error {data.get('code')}: {data.get('msg')}", file=sys.stderr, flush=True)
+            lost = data.get("lost")
+            gone = f" (audio {lost[0]:.1f}-{lost[1]:.1f} s)" if lost else ""
+            print(f"error {data.get('code')}: {data.get('msg')}{gone}", file=sys.stderr,
+                  flush=True)
         elif event == "retry":
             print(f"the service is {data['code']}; trying again in {data['after_ms']} ms",
                   file=sys.stderr, flush=True)

@@ -43,6 +43,9 @@ MAX_IN_FLIGHT = 64
 ABR_IN_FLIGHT = 5
 # Error codes after which the client rewinds and resends rather than giving up.
 RETRYABLE = {"unavailable", "rate_limited", "seq_gap"}
+# errors the stream recovers from by itself: a session lost by the store is replaced by a
+# new one on the same connection, whose ``session`` event starts the audio again
+RECOVERED = {"session_lost"}
 RETRY_PAUSE_S = 0.5
 
 
@@ -210,7 +213,7 @@ class Transcript:
 
     @property
     def fatal_errors(self) -> list[ErrorEvent]:
-        return [e for e in self.errors if e.get("code") not in RETRYABLE]
+        return [e for e in self.errors if e.get("code") not in RETRYABLE | RECOVERED]
 
 
 class StreamingClient:
@@ -388,7 +391,7 @@ class StreamingClient:
                 self.window.rewind(data["expected"], time.monotonic())
             elif code in RETRYABLE and "seq" in data:
                 self.window.rewind(data["seq"], time.monotonic(), RETRY_PAUSE_S)
-            elif code not in RETRYABLE and code != "session_expired":
+            elif code not in RETRYABLE | RECOVERED and code != "session_expired":
                 self._done.set()
             self._lock.notify_all()
 

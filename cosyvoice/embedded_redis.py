@@ -74,6 +74,13 @@ class EmbeddedRedis:
         self.stop()
         raise RuntimeError("redis-server did not start")
 
+    def kill(self) -> None:
+        """``kill -9``: the server dies at once; its files stay for a restart (``start``)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
     def stop(self, keep_data: bool = False) -> None:
         """Stop the server; ``keep_data`` keeps its directory for a restart."""
         if self.proc and self.proc.poll() is None:

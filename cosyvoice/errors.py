@@ -84,6 +84,12 @@ class SessionExpired(CosyvoiceError):
     code = "session_expired"
 
 
+class SessionLost(CosyvoiceError):
+    """The session store lost the session (a Redis restarted without persistence): the
+    audio it held is gone; a new session follows on the same connection."""
+    code = "session_lost"
+
+
 class IdleTimeout(CosyvoiceError):
     code = "idle_timeout"
 
@@ -100,5 +106,5 @@ ERROR_CODES = tuple(
     cls.code
     for cls in (BadChunk, BadPacket, TooLarge, SeqGap, UnsupportedRate, UnsupportedMode,
                 UnsupportedLanguage, UnsupportedCodec, RateLimited, Overloaded, Unauthorized,
-                SessionExpired, IdleTimeout, Unavailable, Internal)
+                SessionExpired, SessionLost, IdleTimeout, Unavailable, Internal)
 )

@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import gevent
 import redis
@@ -33,10 +33,12 @@ from .errors import (
     RateLimited,
     SeqGap,
     SessionExpired,
+    SessionLost,
     Unavailable,
 )
 from .languages import HANS
 from .limits import ConnectRequest, TokenBucket, parse_auth
+from .messages import Result
 from .outputs import Output, SocketIOOutput
 from .protocol import CHUNK_MS, NAMESPACE, SUPPORTED_RATES, Chunk, decode_chunk, encode_chunk
 from .registry import ENGINES
@@ -47,6 +49,9 @@ log = logging.getLogger("cosyvoice.gateway")
 
 # How often a gateway process adds the audio it counted per client name to Redis.
 USAGE_WRITE_S = 5.0
+# How long a connection whose session the store lost waits for a new one (the store
+# starting again, the workers registering again) before it is told to start over.
+LOST_RETRY_S = 60.0
 # The session settings the gateway stores in its hash for the worker (cosyvoice/stages.py)
 SESSION_OPTIONS = ("language", "script", "format", "prompt", "interim", "endpoint_ms",
                    "speech_events", "diarize", "min_speakers", "max_speakers")
@@ -74,7 +79,9 @@ def ack_for(reply: busmod.AppendResult, seq: int) -> dict:
     if status == busmod.AppendStatus.ENDED:
         raise BadChunk("the stream already ended with last=true", seq=seq)
     if status == busmod.AppendStatus.NO_SESSION:
-        raise SessionExpired("the session no longer exists", seq=seq)
+        raise SessionLost("the session store lost this session (a Redis restart without "
+                          "persistence?): the audio it held is gone; a new session "
+                          "follows", seq=seq)
     raise Internal(f"unknown append status {status}", seq=seq)
 
 
@@ -143,6 +150,11 @@ class Connection:
     ended: bool = False
     # who the client is (its key's name, its token's subject): what its audio counts to
     subject: str = ANONYMOUS
+    # what it asked for when it connected (a lost session is replaced with the same)
+    request: ConnectRequest | None = None
+    # audio seconds stored: what a session the store lost took with it ends there
+    audio_s: float = 0.0
+    lost: bool = False  # the store lost the session: a new one is being opened
 
 
 
@@ -169,6 +181,8 @@ class Gateway:
         # the sessions this process holds for a client now, of every face (Socket.IO,
         # files, Realtime, Deepgram): ``cosyvoice_sessions_active``
         self.held: set[str] = set()
+        # where the last final sent ends, by session (Socket.IO's, while held)
+        self.final_ends: dict[str, float] = {}
         # Session modes the workers' engine offers (auth ``mode``); the first is the default.
         self.modes = ENGINES[settings.engine].modes
         # and the languages (auth ``language``; the first is the default)
@@ -223,6 +237,7 @@ class Gateway:
             if conn is None:
                 conn = self.open_session(req, socket_id)
             conn.subject = subject
+            conn.request = req
             conn.codec, conn.bitrate = self._codec(req)
             if req.abr and self.settings.abr:
                 self._start_abr(conn, req)
@@ -336,7 +351,8 @@ class Gateway:
         # event that follows this handler.
         try:
             self.relay.subscribe(session, output or SocketIOOutput(
-                self.socketio, conn_id, partials=options.get("interim") != "0"))
+                self.socketio, conn_id, partials=options.get("interim") != "0",
+                on_final=self._final_sent))
         except redis.RedisError:
             self.relay.unsubscribe(session)
             self._discard(session, client)
@@ -379,10 +395,12 @@ class Gateway:
                           mode=info.get("mode", self.modes[0]),
                           options={k: info[k] for k in SESSION_OPTIONS if k in info},
                           subject=subject)
+        conn.audio_s = conn.next_seq * CHUNK_MS / 1000  # chunks are 200 ms
         self.bus.hold_client_slot(conn.client, conn.session,
                                   self.settings.max_session_s + self.settings.session_grace_s)
         self.relay.subscribe(conn.session, output or SocketIOOutput(
-            self.socketio, conn_id, partials=conn.options.get("interim") != "0"), after=after)
+            self.socketio, conn_id, partials=conn.options.get("interim") != "0",
+            on_final=self._final_sent), after=after)
         log.info("session resumed", extra={"session": conn.session, "event": "resume"})
         self.held.add(conn.session)
         return conn
@@ -394,6 +412,7 @@ class Gateway:
         # Two steps, neither skipped for the other's failure: a session whose connection is
         # not released stays held, and its keys outlive the grace period.
         self.held.discard(conn.session)
+        self.final_ends.pop(conn.session, None)
         try:
             self.relay.unsubscribe(conn.session, output_id)
         except Exception:  # noqa: BLE001 - whatever the subscriber raised, release below
@@ -424,6 +443,8 @@ class Gateway:
         conn = self.connections.get(socket_id)
         if conn is not None:
             conn.heard = arrival_s
+        if conn is not None and conn.lost:  # said once; the new session's event follows
+            return error_ack(SessionLost("a new session is being opened"))
         try:
             if conn is None or conn.stopped:
                 raise SessionExpired("this connection has no active session")
@@ -437,6 +458,10 @@ class Gateway:
                 metrics.count_audio(chunk.codec, len(data), chunk.duration_s)
                 self._judge(conn, chunk, len(data), arrival_s, socket_id)
             return ack
+        except SessionLost as err:
+            assert conn is not None
+            self._replace_lost(socket_id, conn, err)
+            return error_ack(err)
         except CosyvoiceError as err:
             self._emit_error(err, socket_id)
             return error_ack(err)
@@ -444,6 +469,59 @@ class Gateway:
             log.error("handler failed", exc_info=exc)
             self._emit_error(Internal("internal error"), socket_id)
             return {"error": Internal.code}
+
+    def _final_sent(self, session: str, final: Result) -> None:
+        """Where the last final sent to a Socket.IO client ends (what a lost session took
+        with it starts there)."""
+        if session in self.held:
+            self.final_ends[session] = max(self.final_ends.get(session, 0.0),
+                                           float(final.get("end", 0.0)))
+
+    def _replace_lost(self, socket_id: str, conn: Connection, err: SessionLost) -> None:
+        """The store lost the connection's session (a Redis that restarted without its
+        data): say once which audio went with it, and open a new session with the same
+        request (``_reopen``); its ``session`` event tells the client to send its audio
+        again (a file) or go on (a microphone)."""
+        if conn.lost:
+            return
+        conn.lost = conn.stopped = True
+        start = self.final_ends.pop(conn.session, 0.0)
+        lost = [round(start, 3), round(max(conn.audio_s, start), 3)]
+        self.socketio.emit("error", {**err.to_wire(), "lost": lost}, to=socket_id,
+                           namespace=NAMESPACE)
+        log.warning("session lost by the store", extra={"session": conn.session,
+                                                        "event": "lost"})
+        self.held.discard(conn.session)
+        try:
+            self.relay.unsubscribe(conn.session, socket_id)
+        except Exception:  # noqa: BLE001 - the subscriber's trouble is not the client's
+            log.exception("result unsubscribe of %s failed", conn.session)
+        gevent.spawn(self._reopen, socket_id, conn)
+
+    def _reopen(self, socket_id: str, conn: Connection) -> None:
+        """A new session for a connection whose session was lost, as soon as one can be
+        opened (the store may still be starting, the workers registering again): tried
+        every second for ``LOST_RETRY_S`` while the client stays; then it is told
+        ``session_expired`` and disconnected (it reconnects into a fresh session)."""
+        req = replace(conn.request or ConnectRequest(), session=None, last_result=None)
+        deadline = time.monotonic() + LOST_RETRY_S
+        while self.connections.get(socket_id) is conn:
+            try:
+                new = self.open_session(req, socket_id, client=conn.client)
+            except (CosyvoiceError, redis.RedisError) as exc:
+                if time.monotonic() > deadline:
+                    self._emit_error(SessionExpired("no new session could be opened"),
+                                     socket_id)
+                    self.socketio.server.disconnect(socket_id, namespace=NAMESPACE)
+                    return
+                log.info("no new session for a lost one yet: %s", exc)
+                gevent.sleep(1.0)
+                continue
+            new.subject, new.request = conn.subject, conn.request
+            new.codec, new.bitrate = conn.codec, conn.bitrate
+            self.connections[socket_id] = new
+            self._welcome(socket_id, new, False, [])
+            return
 
     def _check_limits(self, conn: Connection, chunk: Chunk) -> None:
         duration = chunk.duration_s
@@ -465,6 +543,7 @@ class Gateway:
             raise Internal("internal error", seq=chunk.seq) from reply
         ack = ack_for(reply, chunk.seq)
         if "duplicate" not in ack:
+            conn.audio_s += chunk.duration_s
             self.usage[conn.subject] += chunk.duration_s
             metrics.AUDIO_BY_KEY.labels(conn.subject).inc(chunk.duration_s)
         return ack
@@ -576,6 +655,7 @@ class Gateway:
         slot go (raises ``redis.RedisError``)."""
         conn.stopped = True
         self.held.discard(conn.session)
+        self.final_ends.pop(conn.session, None)
         self.relay.unsubscribe(conn.session, output_id)
         self.bus.delete_session(conn.session)
         self.bus.release_client_slot(conn.client, conn.session)

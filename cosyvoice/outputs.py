@@ -42,14 +42,18 @@ class SocketIOOutput:
     """The Socket.IO face: each result as the event ``messages.to_event`` names; with
     ``partials`` False (``auth.interim: false``), finals only."""
 
-    def __init__(self, socketio, socket_id: str, partials: bool = True):
+    def __init__(self, socketio, socket_id: str, partials: bool = True,
+                 on_final: Callable[[str, Any], None] | None = None):
         self.socketio = socketio
         self.id = socket_id
         self.partials = partials
+        self.on_final = on_final  # told of each final sent (its session, the final)
 
     def send(self, session: str, result_id: str, message: Published) -> None:
         if not self.partials and message["type"] == "partial":
             return
+        if message["type"] == "final" and self.on_final is not None:
+            self.on_final(session, message)
         event, data = messages.to_event(session, result_id, message)
         self.socketio.emit(event, data, to=self.id, namespace=NAMESPACE)
 

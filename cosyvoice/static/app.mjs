@@ -50,6 +50,8 @@ const MESSAGES = {
   unauthorized: "The server refused the connection: this service needs a valid token. "
     + "Ask its operator for a link that carries one (…/#token=…).",
   session_expired: "The session has expired. Press Start to begin a new one.",
+  session_lost: "The service's storage restarted and lost the audio since the last final "
+    + "text; the recording goes on in a new session.",
   not_audio: "could not be read as audio. Choose a sound file (WAV, MP3, FLAC, Ogg, M4A, WebM…).",
   clipboard: "The transcript could not be copied: this browser did not allow access to the clipboard.",
   unavailable: "The service's storage is unreachable; some audio may be lost.",
@@ -76,7 +78,7 @@ function codecName(bitrate) {
 }
 
 // Codes whose message above says it all; other codes also show the server's words.
-const OWN_WORDS = new Set(["overloaded", "unauthorized", "session_expired"]);
+const OWN_WORDS = new Set(["overloaded", "unauthorized", "session_expired", "session_lost"]);
 
 function kHz(rate) {
   return `${(rate / 1000).toLocaleString("en", { maximumFractionDigits: 1 })} kHz`;

@@ -9,6 +9,7 @@ its replica while the session streams.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
@@ -228,8 +229,10 @@ def _on_cluster(service) -> bool:
 
 def test_redis_outage_loses_nothing_and_service_resumes(request, fault_service, reference,
                                                         redis_client_for):
-    """One Redis: it stops and starts again. A cluster: the primary that holds the
-    session fails over to its replica (``CLUSTER FAILOVER``), and the session goes on."""
+    """One Redis: it is killed (``kill -9``) and starts again from its append-only file
+    (``appendfsync always``: every acked chunk is on disk). A cluster: the primary that
+    holds the session fails over to its replica (``CLUSTER FAILOVER``), and the session
+    goes on."""
     down = threading.Event()
     if _on_cluster(fault_service):
         rds = redis_client_for(fault_service)
@@ -250,7 +253,7 @@ def test_redis_outage_loses_nothing_and_service_resumes(request, fault_service, 
         fault_redis = request.getfixturevalue("fault_redis")
 
         def outage():
-            fault_redis.stop(keep_data=True)
+            fault_redis.kill()
             down.set()
             # liveness stays up while Redis is gone
             assert requests.get(fault_service.url + "/healthz", timeout=2).status_code == 200
@@ -270,6 +273,39 @@ def test_redis_outage_loses_nothing_and_service_resumes(request, fault_service, 
     assert normalize(after.result.text) == "the weather is nice today"
     after.stop()
     after.close()
+
+
+def test_a_store_that_lost_the_session_is_said_once_and_nothing_is_lost(
+        request, fault_service, reference, redis_client_for):
+    """One Redis is killed (``kill -9``) and starts again without its data (no persistence);
+    on a cluster, the primary holding the session loses its data. The client hears
+    ``session_lost`` once, with the seconds of audio that went, the gateway opens a new
+    session on the same connection, the client sends its audio again, and the transcript
+    is a clean run's; every process lives on."""
+    if _on_cluster(fault_service):
+        rds = redis_client_for(fault_service)
+
+        def lose():
+            sid = open_sessions(rds)[-1]
+            primary = rds.get_node_from_key(keys.session_key(sid))
+            node = next(n for n in fault_service.cluster.nodes if n.port == primary.port)
+            node.client().flushall()
+    else:
+        fault_redis = request.getfixturevalue("fault_redis")
+
+        def lose():
+            fault_redis.kill()
+            for path in fault_redis.dir.iterdir():  # the append-only file goes too
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            fault_redis.start()
+
+    result = stream_with(fault_service.url, lose, at_s=2.5)
+    lost = [e for e in result.errors if e["code"] == "session_lost"]
+    assert len(lost) == 1, result.errors
+    assert 0 <= lost[0]["lost"][0] <= lost[0]["lost"][1] <= len(speech()) / 32000
+    assert strip(result.finals) == reference
+    assert not result.fatal_errors
+    assert fault_service.gateway.proc.poll() is None and fault_service.pool.proc.poll() is None
 
 
 def test_a_lost_result_subscription_is_restored_and_missed_results_replayed(
