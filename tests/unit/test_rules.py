@@ -22,7 +22,7 @@ from cosyvoice import bus as busmod
 from cosyvoice import scripts
 from cosyvoice.backoff import Backoff
 from cosyvoice.client import ABR_IN_FLIGHT, MAX_IN_FLIGHT, SendWindow, StreamingClient
-from cosyvoice.errors import BadChunk, Internal, SeqGap, SessionExpired
+from cosyvoice.errors import BadChunk, Internal, SeqGap, SessionLost
 from cosyvoice.finals import Context, Job
 from cosyvoice.gateway import Connection, ack_for, error_ack, session_event, session_limits
 from cosyvoice.messages import Checkpoint, Result, Scheduled, to_event
@@ -59,7 +59,7 @@ def test_each_append_status_has_its_ack_or_error():
                                    "seq": 4, "expected": 2}
     with pytest.raises(BadChunk, match="already ended"):
         ack_for(_reply(busmod.AppendStatus.ENDED), 4)
-    with pytest.raises(SessionExpired):
+    with pytest.raises(SessionLost):  # the store lost it: a new session follows
         ack_for(_reply(busmod.AppendStatus.NO_SESSION), 4)
     with pytest.raises(Internal):
         ack_for(_reply(7), 4)
