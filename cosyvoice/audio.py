@@ -57,13 +57,20 @@ def read_channels(source: str | Path | BinaryIO | bytes, split: bool = True,
             if not parts:
                 raise AudioFileError(_not_audio(name, exc)) from None
             # a damaged tail: keep what decoded, as players do
-        pcm = b"".join(parts)
-        if n == 1:
-            return [pcm], 16000
-        samples = np.frombuffer(pcm, dtype="<i2").reshape(-1, n)
-        return [np.ascontiguousarray(samples[:, c]).tobytes() for c in range(n)], 16000
+        return deinterleave(b"".join(parts), n, split=True), 16000
     finally:
         container.close()
+
+
+def deinterleave(pcm: bytes, channels: int, split: bool) -> list[bytes]:
+    """Interleaved 16-bit frames as one stream per channel (``split``) or mixed to one."""
+    if channels == 1:
+        return [pcm]
+    samples = np.frombuffer(pcm, dtype="<i2").reshape(-1, channels)
+    if split:
+        return [np.ascontiguousarray(samples[:, c]).tobytes() for c in range(channels)]
+    mixed = samples.astype(np.int32).sum(axis=1) // channels
+    return [mixed.astype("<i2").tobytes()]
 
 
 def _open(source: str | Path | BinaryIO | bytes):

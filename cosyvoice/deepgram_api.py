@@ -55,6 +55,7 @@ from . import metrics, speakers
 from .apikeys import ANONYMOUS
 from .codecs import CHUNK_MS
 from .errors import CosyvoiceError, Overloaded, RateLimited, Unauthorized, Unavailable
+from .files import IDLE_S, FileSession
 from .gateway import Connection, Gateway
 from .limits import ENDPOINT_MS, MAX_PROMPT_CHARS, parse_auth
 from .live_audio import (
@@ -349,6 +350,23 @@ def connect(gateway: Gateway):
 # ---- the live connection ------------------------------------------------------------------
 
 
+def model(mode: str) -> tuple[str, dict[str, str]]:
+    """The ``model_uuid`` and ``model_info`` Deepgram's messages name a session mode by."""
+    name = f"cosyvoice-{mode}"
+    return (str(uuid.uuid5(uuid.NAMESPACE_URL, "cosyvoice:" + name)),
+            {"name": name, "version": VERSION, "arch": "cosyvoice"})
+
+
+def metadata(request_id: str, sha256: str, duration: float, params: Params) -> dict[str, Any]:
+    """A stream's or a recording's ``Metadata``: its id, the audio's hash and seconds, its
+    channels and the model."""
+    model_uuid, info = model(params.mode)
+    return {"transaction_key": "deprecated", "request_id": request_id, "sha256": sha256,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()),
+            "duration": round(duration, 3), "channels": params.channels,
+            "models": [model_uuid], "model_info": {model_uuid: info}}
+
+
 def plain(word: str) -> str:
     """Deepgram's ``word``: lower case, no punctuation around it."""
     return _PUNCT.sub("", word).strip("'-").lower()
@@ -431,9 +449,7 @@ class Listen:
         self.resumed = False
         self.created = time.time()
         self.ended = gevent.event.Event()
-        self.model_name = f"cosyvoice-{params.mode}"
-        self.model_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, "cosyvoice:" + self.model_name))
-        self.max_utterance_s = gateway.settings.max_utterance_s
+        self.model_uuid, self.model_info = model(params.mode)
 
     # ---- sessions ---------------------------------------------------------------------
 
@@ -691,11 +707,7 @@ class Listen:
         kind = message.get("type") if isinstance(message, dict) else None
         if kind == "KeepAlive":
             for channel in self.channels:
-                try:
-                    self.gateway.bus.touch_session(channel.conn.session)
-                except redis.RedisError as exc:
-                    metrics.REDIS_ERRORS.inc()
-                    log.warning("keepalive of %s not stored: %s", channel.conn.session, exc)
+                self.gateway.touch(channel.conn)
         elif kind == "Finalize":
             assert message is not None
             only = message.get("channel")
@@ -722,7 +734,7 @@ class Listen:
         try:
             return self.input.feed(b"")
         except BadAudio as err:
-            self.fail(1008, "DATA-0000", f"the payload cannot be decoded as audio: {err}")
+            self._bad_audio(err)
             return [b""] * len(self.channels)
 
     def _drain(self) -> bool:
@@ -731,10 +743,10 @@ class Listen:
         try:
             streams = self.input.flush()
         except BadAudio as err:
-            self.fail(1008, "DATA-0000", f"the payload cannot be decoded as audio: {err}")
+            self._bad_audio(err)
             return False
         self._take(streams, last=True)
-        deadline = time.monotonic() + self._drain_timeout()
+        deadline = time.monotonic() + IDLE_S
         while not self.ended.wait(timeout=1.0):
             if self.closed:  # the client left meanwhile: its sessions wait for it
                 return False
@@ -742,24 +754,13 @@ class Listen:
                 self.fail(1011, "NET-0000", "the last results did not come in time")
                 return False
         duration = max((c.audio_s for c in self.channels), default=0.0)
-        self.send(self.metadata(duration))
+        self.send({"type": "Metadata", **metadata(self.request_id, self.sha.hexdigest(),
+                                                  duration, self.params)})
         self._close(1000, "")
         return True
 
-    def _drain_timeout(self) -> float:
-        from .files import IDLE_S
-        return IDLE_S
-
-    def metadata(self, duration: float) -> dict[str, Any]:
-        return {"type": "Metadata", "transaction_key": "deprecated",
-                "request_id": self.request_id, "sha256": self.sha.hexdigest(),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()),
-                "duration": round(duration, 3), "channels": self.params.channels,
-                "models": [self.model_uuid],
-                "model_info": {self.model_uuid: self._model_info()}}
-
-    def _model_info(self) -> dict[str, str]:
-        return {"name": self.model_name, "version": VERSION, "arch": "cosyvoice"}
+    def _bad_audio(self, err: BadAudio) -> None:
+        self.fail(1008, "DATA-0000", f"the payload cannot be decoded as audio: {err}")
 
     # ---- results ----------------------------------------------------------------------
 
@@ -854,7 +855,7 @@ class Listen:
             "is_final": is_final, "speech_final": speech_final,
             "channel": {"alternatives": [alternative(result, self.params)]},
             "metadata": {"request_id": self.request_id, "model_uuid": self.model_uuid,
-                         "model_info": self._model_info()}}
+                         "model_info": self.model_info}}
         if is_final:
             message["from_finalize"] = from_finalize
         return message
@@ -862,7 +863,7 @@ class Listen:
     def _final(self, channel: Channel, final: dict, from_finalize: bool) -> None:
         length = float(final["end"]) - float(final["start"])
         by_pause = (self.params.speech_final and not from_finalize
-                    and length < self.max_utterance_s - LENGTH_CUT_S
+                    and length < self.gateway.settings.max_utterance_s - LENGTH_CUT_S
                     and not (channel.last_seq >= 0 and final.get("seq", -1) >= channel.last_seq))
         has_text = bool(final.get("text", "").strip())
         self.send(self.results(channel, final, True, by_pause and has_text, from_finalize))
@@ -930,10 +931,8 @@ def prerecorded(gateway: Gateway, request_id: str):
     if params.split:
         params.channels = len(streams)
     finals = transcribe_channels(gateway, params, streams, rate, subject)
-    listen = Listen(gateway, params, subject, request_id)
-    metadata = listen.metadata(max(len(pcm) / 2 / rate for pcm in streams))
-    metadata.pop("type")
-    metadata["sha256"] = hashlib.sha256(body).hexdigest()
+    about = metadata(request_id, hashlib.sha256(body).hexdigest(),
+                     max(len(pcm) / 2 / rate for pcm in streams), params)
     channels = []
     for channel_finals in finals:
         joined = {"text": " ".join(f["text"].strip() for f in channel_finals
@@ -944,15 +943,13 @@ def prerecorded(gateway: Gateway, request_id: str):
     results: dict[str, Any] = {"channels": channels}
     if _flag(query, "utterances"):
         results["utterances"] = utterances(finals, params, request_id)
-    return Response(json.dumps({"metadata": metadata, "results": results}),
+    return Response(json.dumps({"metadata": about, "results": results}),
                     mimetype="application/json", headers={"dg-request-id": request_id})
 
 
 def transcribe_channels(gateway: Gateway, params: Params, streams: list[bytes], rate: int,
                         subject: str) -> list[list[Any]]:
     """Each stream's finals, the streams through sessions of their own at once."""
-    from .files import FileSession
-
     try:
         req = parse_auth(params.session_auth(rate, file=True), gateway.modes,
                          gateway.settings.accepted_codecs, (), gateway.languages)

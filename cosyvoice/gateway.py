@@ -607,12 +607,17 @@ class Gateway:
         if conn is None or conn.stopped:
             return {"ok": False}
         conn.heard = time.monotonic()
+        self.touch(conn)
+        return {"ok": True}
+
+    def touch(self, conn: Connection) -> None:
+        """The session's client is there (a keep-alive of any face): the sweeper counts it
+        as activity. A store that fails is logged; the keep-alive only lapses."""
         try:
             self.bus.touch_session(conn.session)
         except redis.RedisError as exc:
             metrics.REDIS_ERRORS.inc()
             log.warning("keepalive of %s not stored: %s", conn.session, exc)
-        return {"ok": True}
 
     def watch_idle(self) -> None:
         """End the sessions of connections idle for ``idle_timeout_s`` (a greenlet)."""

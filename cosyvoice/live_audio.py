@@ -24,9 +24,8 @@ import os
 import struct
 from typing import Any, Protocol
 
-import numpy as np
-
 from .asr.resample import StreamingResampler
+from .audio import deinterleave
 from .protocol import SUPPORTED_RATES
 
 MODEL_RATE = 16000
@@ -55,17 +54,6 @@ class Input(Protocol):
     def flush(self) -> list[bytes]: ...
 
     def close(self) -> None: ...
-
-
-def deinterleave(pcm: bytes, channels: int, split: bool) -> list[bytes]:
-    """Interleaved 16-bit frames as one stream per channel (``split``) or mixed to one."""
-    samples = np.frombuffer(pcm, dtype="<i2").reshape(-1, channels)
-    if channels == 1:
-        return [pcm]
-    if split:
-        return [np.ascontiguousarray(samples[:, c]).tobytes() for c in range(channels)]
-    mixed = samples.astype(np.int32).sum(axis=1) // channels
-    return [mixed.astype("<i2").tobytes()]
 
 
 class RawInput:
@@ -177,7 +165,15 @@ class ContainerInput:
     def read(self) -> list[bytes]:
         """The PCM decoded so far and not read yet (raises ``BadAudio`` once the decoder
         found that the input is not audio)."""
-        return self._ready()
+        while self._out_r >= 0:
+            try:
+                data = os.read(self._out_r, 65536)
+            except BlockingIOError:
+                break
+            if not data:
+                break
+            self._buffer += data
+        return self._blocks()
 
     def flush(self) -> list[bytes]:
         """The end of the input: everything it decodes to, once the decoder is done."""
@@ -193,20 +189,9 @@ class ContainerInput:
                 break
             parts.append(data)
         self._buffer += b"".join(parts)
-        return self._blocks(final=True)
-
-    def _ready(self) -> list[bytes]:
-        while self._out_r >= 0:
-            try:
-                data = os.read(self._out_r, 65536)
-            except BlockingIOError:
-                break
-            if not data:
-                break
-            self._buffer += data
         return self._blocks()
 
-    def _blocks(self, final: bool = False) -> list[bytes]:
+    def _blocks(self) -> list[bytes]:
         out: list[bytes] = [b""] * self.channels
         while len(self._buffer) >= _HEADER.size:
             channels, size = _HEADER.unpack_from(self._buffer)
