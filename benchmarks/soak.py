@@ -28,8 +28,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
 
 import psutil
 
@@ -37,10 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.stack import POCKETSPHINX, Stack, fixture_names, read_fixture  # noqa: E402
 from cosyvoice.client import StreamingClient, TranscribeError  # noqa: E402
-
-
-def rss_mb(pid: int) -> float:
-    return psutil.Process(pid).memory_info().rss / 2**20
+from tests.soak import longest_repeat, looped_speech, rss_mb, stream_long  # noqa: E402
 
 
 def serving_rss_mb(pid: int) -> float:
@@ -105,87 +100,17 @@ def churn(args: argparse.Namespace) -> None:
 # ---- one long session --------------------------------------------------------------------
 
 
-def looped_speech(minutes: float, seed: int = 2026) -> tuple[bytes, str]:
-    """``minutes`` of the sentence fixtures in shuffled cycles with pauses (16 kHz PCM),
-    and the reference text. A cycle never starts with the sentence the last one ended on,
-    so the reference repeats no sentence back to back."""
-    import random
-
-    from tests.helpers import fixture_texts
-
-    texts = fixture_texts()
-    names = [n for n in fixture_names() if n in texts]
-    rng = random.Random(seed)
-    parts: list[bytes] = []
-    said: list[str] = []
-    size, goal = 0, int(minutes * 60 * 16000 * 2)
-    last = None
-    while size < goal:
-        cycle = names[:]
-        rng.shuffle(cycle)
-        if cycle[0] == last:
-            cycle.append(cycle.pop(0))
-        for name in cycle:
-            pause = 6.0 if rng.random() < 0.1 else rng.uniform(0.4, 2.5)
-            pcm = read_fixture(name) + b"\0\0" * int(pause * 16000)
-            parts.append(pcm)
-            said.append(texts[name])
-            size += len(pcm)
-            last = name
-            if size >= goal:
-                break
-    return b"".join(parts), " ".join(said)
-
-
-def longest_repeat(text: str) -> int:
-    """The most times a phrase of 2-8 words follows itself directly in ``text``."""
-    words = text.lower().split()
-    best = 1
-    for n in range(2, 9):
-        for i in range(len(words) - n):
-            k = 1
-            while words[i + k * n:i + (k + 1) * n] == words[i:i + n]:
-                k += 1
-            best = max(best, k)
-    return best
-
-
 def long_session(args: argparse.Namespace) -> dict:
     from benchmarks.stack import percentile
     from tests.helpers import corpus_wer
 
     audio, reference = looped_speech(args.minutes, args.seed)
-    chunk = 16000 * 2 // 5  # 200 ms
-    chunks = [audio[i:i + chunk] for i in range(0, len(audio), chunk)]
-    sent_at: dict[int, float] = {}
-    finals: list[dict] = []
     env = {"COSYVOICE_RATE_LIMIT_FACTOR": str(args.speed * 1.5),
            "COSYVOICE_MAX_SESSION_S": str(args.minutes * 60 / args.speed + 3600)}
     with Stack(processes=1, env=env) as stack:
         worker = psutil.Process(stack.pool.proc.pid).children()[0]
-
-        def on_event(event: str, data: Mapping[str, Any]) -> None:
-            if event == "text" and data.get("type") == "final":
-                seq = int(data.get("seq", -1))
-                lag = time.monotonic() - sent_at[seq] if seq in sent_at else None
-                finals.append({**data, "lag_s": lag, "rss_mb": rss_mb(worker.pid)})
-
-        client = StreamingClient(stack.url, on_event=on_event)
-        client.connect()
-        rss = [(0.0, rss_mb(worker.pid))]
-        start = time.monotonic()
-        for seq, pcm in enumerate(chunks):
-            due = start + seq * 0.2 / args.speed
-            time.sleep(max(0.0, due - time.monotonic()))
-            sent_at[seq] = time.monotonic()
-            client.send(pcm, seq, last=seq == len(chunks) - 1, sample_rate=16000 if seq == 0 else 0)
-            if seq % int(60 / 0.2) == 0:  # each audio minute
-                rss.append((seq * 0.2 / 60, rss_mb(worker.pid)))
-        ended = client.wait_end(300)
-        rss.append((len(chunks) * 0.2 / 60, rss_mb(worker.pid)))
-        client.stop()
-        client.close()
-    text = " ".join(f["text"].strip() for f in finals if f["text"].strip())
+        run = stream_long(stack.url, worker.pid, audio, args.speed)
+    finals, text, rss = run.finals, run.text, run.rss_mb
     per_minute: dict[int, list[float]] = {}
     for f in finals:
         if f["lag_s"] is not None:
@@ -193,15 +118,13 @@ def long_session(args: argparse.Namespace) -> dict:
     minutes = sorted(per_minute)
     first = [x for m in minutes[:10] for x in per_minute[m]]
     last = [x for m in minutes[-10:] for x in per_minute[m]]
-    after_warmup = [mb for t, mb in rss if t >= 5]
     return {
-        "minutes": args.minutes, "speed": args.speed, "ended": ended, "finals": len(finals),
+        "minutes": args.minutes, "speed": args.speed, "ended": run.ended, "finals": len(finals),
         "wer": round(corpus_wer([reference], [text]), 4),
         "longest_repeat": longest_repeat(text),
         "longest_repeat_reference": longest_repeat(reference),
         "rss_mb": [(round(t, 1), round(mb, 1)) for t, mb in rss],
-        "rss_growth_after_5_min_mb": round(max(after_warmup) - after_warmup[0], 1)
-        if after_warmup else None,
+        "rss_growth_after_5_min_mb": round(run.rss_growth_mb(5), 1),
         "lag_first_10_min": {"p50": round(percentile(first, 50), 3),
                              "p95": round(percentile(first, 95), 3)} if first else None,
         "lag_last_10_min": {"p50": round(percentile(last, 50), 3),

@@ -155,10 +155,22 @@ class ResultRelay:
                 gevent.spawn(self._replay, session, route)
 
     def _replay(self, session: str, route: Route) -> None:
+        """Send what the route lacks from the session's stored results, then what came
+        live meanwhile. A read that fails (a primary failing over, Redis restarting) is
+        tried again while the route stands: given up, the results it missed would never
+        come, and the next live one would pass over them."""
         route.replaying = True
+        backoff = Backoff()
         try:
-            for result_id, payload in self.bus.results_after(session, route.last_id or "-"):
-                self._send(session, route, result_id, payload)
+            while self.routes.get(session) is route:
+                try:
+                    for result_id, payload in self.bus.results_after(session,
+                                                                     route.last_id or "-"):
+                        self._send(session, route, result_id, payload)
+                    break
+                except redis.RedisError as exc:
+                    backoff.wait(log, f"cannot replay the results of {session}", exc,
+                                 gevent.sleep)
         finally:
             route.replaying = False
             held, route.held = route.held, []
@@ -347,6 +359,8 @@ class ShardedChannels:
         is no longer ours)."""
         if self.owner.get(channel) != name:
             return
+        log.info("%s: subscription ended by %s (its slot moved); subscribing again",
+                 channel, name)
         with self._lock:
             del self.owner[channel]
         self._resubscribe([channel])
@@ -360,6 +374,7 @@ class ShardedChannels:
                     for channel in channels:
                         if keys.sid_from_channel(channel) in self.relay.routes:
                             self._subscribe(channel)
+                            log.info("%s: subscribed on %s", channel, self.owner[channel])
                 break
             except redis.RedisError as exc:
                 backoff.wait(log, "cannot subscribe again", exc, gevent.sleep)

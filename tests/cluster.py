@@ -42,6 +42,7 @@ class Node:
     proc: subprocess.Popen
     workdir: Path
     password: str = ""
+    argv: list[str] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -52,6 +53,18 @@ class Node:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """``kill -9``: no shutdown, no last save."""
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def restart(self) -> None:
+        """Start again on the same port and files (its ``nodes.conf``, and its append-only
+        file where the cluster persists), and wait until it answers."""
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        _wait_answers(self)
 
 
 @dataclass
@@ -173,34 +186,45 @@ def _free_cluster_port() -> int:
     raise RuntimeError("no free pair of ports for a cluster node")
 
 
-def _start_node(workdir: Path, node_timeout_ms: int, password: str = "") -> Node:
+def _start_node(workdir: Path, node_timeout_ms: int, password: str = "",
+                persist: bool = False) -> Node:
     port = _free_cluster_port()
     workdir.mkdir(parents=True)
     auth = ["--requirepass", password, "--masterauth", password] if password else []
-    proc = subprocess.Popen(
-        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-         "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
-         "--save", "", "--appendonly", "no", "--dir", str(workdir), "--daemonize", "no",
-         "--logfile", str(workdir / "redis.log"), *auth],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    node = Node(port, proc, workdir, password)
+    argv = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
+            "--save", "", "--appendonly", "yes" if persist else "no", "--appendfsync", "always",
+            # a primary that restarted has a new replication id: its replica syncs in full
+            # at once, not after the default 5 s wait for more replicas
+            "--repl-diskless-sync-delay", "0",
+            "--dir", str(workdir), "--daemonize", "no", "--logfile", str(workdir / "redis.log"),
+            *auth]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node = Node(port, proc, workdir, password, argv)
+    _wait_answers(node)
+    return node
+
+
+def _wait_answers(node: Node) -> None:
     deadline = time.monotonic() + scaled(10)
     while True:
         try:
             if node.client().ping():
-                return node
+                return
         except redis.RedisError:
             pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"redis-server on port {port} did not start "
-                               f"(see {workdir / 'redis.log'})")
+        if node.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server on port {node.port} did not start "
+                               f"(see {node.workdir / 'redis.log'})")
         time.sleep(0.05)
 
 
 @contextmanager
-def redis_cluster(masters: int = 3, replicas: int = 0, password: str = "") -> Iterator[Cluster]:
+def redis_cluster(masters: int = 3, replicas: int = 0, password: str = "",
+                  persist: bool = False) -> Iterator[Cluster]:
     """A cluster of ``masters`` primaries with ``replicas`` replicas each, torn down
-    (processes and files) on exit; with ``password``, every node requires it."""
+    (processes and files) on exit; with ``password``, every node requires it; with
+    ``persist``, every node writes an append-only file (``appendfsync always``)."""
     if not (shutil.which(REDIS_SERVER) and shutil.which(REDIS_CLI)):
         raise RuntimeError(f"{REDIS_SERVER} and {REDIS_CLI} are needed (Debian's "
                            "redis-server package; .ci/run installs it)")
@@ -210,7 +234,7 @@ def redis_cluster(masters: int = 3, replicas: int = 0, password: str = "") -> It
         for i in range(masters * (1 + replicas)):
             cluster.nodes.append(_start_node(
                 root / f"node{i}", NODE_TIMEOUT_MS if replicas else NODE_TIMEOUT_NO_REPLICAS_MS,
-                password))
+                password, persist))
         subprocess.run([REDIS_CLI, "--cluster", "create",
                         *[n.address for n in cluster.nodes],
                         "--cluster-replicas", str(replicas), "--cluster-yes"],

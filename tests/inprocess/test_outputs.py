@@ -4,7 +4,10 @@ real PocketSphinx worker's rounds, each result once and in order."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+import redis
 
 from cosyvoice import bus as busmod
 from cosyvoice import keys
@@ -16,6 +19,7 @@ from cosyvoice.settings import Settings
 from cosyvoice.webui import create_app
 from cosyvoice.worker import Worker
 
+from .. import launcher
 from ..helpers import read_pcm, results, rounds_until, write_session
 
 pytestmark = [pytest.mark.fast, pytest.mark.inprocess]
@@ -84,3 +88,23 @@ def test_a_face_is_one_module_and_one_line_and_reads_results_through_its_output(
     assert reply.get_json() == stored
     gateway = app.extensions["cosyvoice"]
     assert "f" not in gateway.relay.routes  # the face's output is gone with its request
+
+
+def test_a_replay_that_cannot_reach_redis_tries_again_and_loses_nothing(tmp_path):
+    """The store is gone at the moment a replay reads it (a restart, a failover) and back
+    half a second later: the reader still gets every stored result, once."""
+    with launcher.redis_server(tmp_path / "redis", persist=True) as server:
+        client = redis.Redis.from_url(server.url)
+        stored = transcribed(server.url, client, "r")
+        relay = ResultRelay(client, busmod.Bus(client), start=False)
+        output = QueueOutput("http-1")
+        relay.subscribe("r", output, after="-")
+        server.kill()
+        comeback = threading.Timer(0.5, server.start)
+        comeback.start()
+        try:
+            relay.replay("r")
+        finally:
+            comeback.join()
+        assert [message for _, message in drain(output)] == stored
+        client.close()

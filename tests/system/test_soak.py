@@ -1,0 +1,38 @@
+"""A long session, shortened: minutes of looped speech with pauses streamed as one session
+at a multiple of real time through the whole service on the default engine. The hour-long
+version is ``benchmarks/soak.py long``."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from .. import launcher
+from ..helpers import TEST_ENV, corpus_wer
+from ..soak import longest_repeat, looped_speech, stream_long
+
+pytestmark = pytest.mark.system
+
+MINUTES = 8
+SPEED = 6.0
+WARM_MINUTES = 3
+
+
+def test_a_long_session_ends_complete_with_flat_memory_and_no_phrase_loop(module_redis,
+                                                                          artifacts):
+    audio, reference = looped_speech(MINUTES)
+    svc = launcher.start_service(module_redis.url, processes=1, logs=artifacts, name="soak",
+                                 env={**TEST_ENV,
+                                      "COSYVOICE_RATE_LIMIT_FACTOR": str(SPEED * 1.5)})
+    try:
+        worker = psutil.Process(svc.pool.proc.pid).children()[0]
+        run = stream_long(svc.url, worker.pid, audio, SPEED)
+        assert svc.gateway.proc.poll() is None and worker.is_running()
+    finally:
+        svc.stop()
+    assert run.ended, "every final came and the session ended"
+    # the transcript is complete: every sentence, about as well as one at a time
+    assert corpus_wer([reference], [run.text]) < 0.08, run.text
+    assert longest_repeat(run.text) <= 2, run.text
+    # memory: flat after warm-up (a leak of the 2 MB a minute once feared would show)
+    assert run.rss_growth_mb(WARM_MINUTES) < 5, run.rss_mb
