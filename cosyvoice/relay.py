@@ -32,9 +32,13 @@ WRITE_BATCH = 256
 # How long a handler waits for its chunk to be stored before answering `unavailable`.
 WRITE_TIMEOUT_S = 10.0
 # What an unsubscribe raises on a subscriber connection that broke under it: redis-py's
-# errors, and, when the reading greenlet was reconnecting the same connection meanwhile,
-# the socket's (EBADF) or its buffer's ("I/O operation on closed file").
+# errors, and the socket's (EBADF) or its buffer's ("I/O operation on closed file").
 BROKEN_SUBSCRIBER = (redis.RedisError, OSError, ValueError)
+# A subscriber connection is used by one greenlet at a time: its reader holds the lock
+# while it waits for a message, this long at most, then lets a (un)subscribe in. Two
+# greenlets that both reconnected it after Redis came back read each other's handshake
+# (gevent's ConcurrentObjectUseError), and a channel subscribed then was silently lost.
+READ_SLICE_S = 0.05
 
 
 def _unsubscribe_failed(channel: str, exc: Exception) -> None:
@@ -231,11 +235,12 @@ class Channels:
         backoff = Backoff()
         lost = False
         while True:
+            gevent.sleep(0 if self.pubsub.subscribed else READ_SLICE_S)  # (un)subscribes
             try:
-                if not self.pubsub.subscribed:
-                    gevent.sleep(0.05)
-                    continue
-                msg = self.pubsub.get_message(timeout=1.0)
+                with self._lock:
+                    if not self.pubsub.subscribed:
+                        continue
+                    msg = self.pubsub.get_message(timeout=READ_SLICE_S)
                 if lost:
                     # The connection came back and redis-py re-subscribed: fetch what
                     # was published while we were not listening.
@@ -321,11 +326,12 @@ class ShardedChannels:
             reader = self.readers.get(name)
             if reader is None:
                 return
+            gevent.sleep(0 if reader.subscribed else READ_SLICE_S)  # (un)subscribes
             try:
-                if not reader.subscribed:
-                    gevent.sleep(0.05)
-                    continue
-                msg = reader.get_message(timeout=1.0)
+                with self._lock:
+                    if not reader.subscribed or self.readers.get(name) is not reader:
+                        continue
+                    msg = reader.get_message(timeout=READ_SLICE_S)
             except redis.RedisError as exc:
                 log.warning("result subscriber of %s lost it: %s", name, exc)
                 metrics.REDIS_ERRORS.inc()

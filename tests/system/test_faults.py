@@ -4,8 +4,8 @@ The bar each time: the client's final transcript equals a run with no fault, no 
 reaches the client twice, and no accepted audio is lost. Each runs with the neural engine
 and with PocketSphinx on one Redis, and with the neural engine on a Redis Cluster of
 three primaries with a replica each (append-only files on every node), where the Redis
-outage is the session's primary killed and restarted, then failing over to its replica,
-while the session streams.
+outage is the session's primary failing over to its replica, then that one killed and
+restarted, while the session streams.
 """
 
 from __future__ import annotations
@@ -232,9 +232,9 @@ def test_redis_outage_loses_nothing_and_service_resumes(request, fault_service, 
                                                         redis_client_for):
     """One Redis: it is killed (``kill -9``) and starts again from its append-only file
     (``appendfsync always``: every acked chunk is on disk). A cluster: the primary that
-    holds the session is killed the same way and starts again from its own append-only
-    file before its peers call it failed; then it hands over to its replica
-    (``CLUSTER FAILOVER``), and the session goes on through both."""
+    holds the session hands over to its replica (``CLUSTER FAILOVER``), then that new
+    primary is killed the same way and starts again from its own append-only file before
+    its peers call it failed; the session goes on through both."""
     down, back = threading.Event(), threading.Event()
     if _on_cluster(fault_service):
         rds = redis_client_for(fault_service)
@@ -242,22 +242,18 @@ def test_redis_outage_loses_nothing_and_service_resumes(request, fault_service, 
         def outage():
             sid = open_sessions(rds)[-1]  # the newest: this stream
             cluster = fault_service.cluster
-            primary = next(n for n in cluster.nodes
-                           if n.port == rds.get_node_from_key(keys.session_key(sid)).port)
-            replica = next(n for n in cluster.nodes if n.alive() and n is not primary
+            primary = rds.get_node_from_key(keys.session_key(sid))
+            replica = next(n for n in cluster.nodes if n.alive() and n.port != primary.port
                            and n.client().info("replication").get("master_port")
                            == primary.port)
-            primary.kill()
-            down.set()
-            assert requests.get(fault_service.url + "/healthz", timeout=2).status_code == 200
-            time.sleep(0.5)
-            primary.restart()
-            cluster.wait_ok()
-            wait_for(lambda: replica.client().info("replication").get("master_link_status")
-                     == "up", timeout=20)
             replica.client().execute_command("CLUSTER", "FAILOVER")
             wait_for(lambda: replica.client().info("replication")["role"] == "master",
                      timeout=20)
+            replica.kill()  # the session's primary now
+            down.set()
+            assert requests.get(fault_service.url + "/healthz", timeout=2).status_code == 200
+            time.sleep(0.5)
+            replica.restart()
             back.set()
     else:
         fault_redis = request.getfixturevalue("fault_redis")
