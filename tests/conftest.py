@@ -18,7 +18,7 @@ import redis
 
 from cosyvoice.embedded_redis import EmbeddedRedis
 
-from . import launcher, tiers, venvs
+from . import launcher, tiers
 from .cluster import Cluster, redis_cluster
 from .helpers import TEST_ENV
 
@@ -39,17 +39,6 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("tests need exactly one level marker "
                                 f"({', '.join(sorted(tiers.LEVELS))}), and to live in "
                                 "its folder:\n" + "\n".join(wrong))
-    # the install tests last: their environments are built meanwhile (tests/venvs.py)
-    items.sort(key=_builds_venvs)
-
-
-def _builds_venvs(item: pytest.Item) -> bool:
-    return Path(item.path).name == "test_install.py"
-
-
-def pytest_collection_finish(session):
-    if not session.config.option.collectonly and any(map(_builds_venvs, session.items)):
-        venvs.prebuild()
 
 
 @pytest.fixture(scope="session")
@@ -118,7 +107,6 @@ def cluster() -> Iterator[Cluster]:
 
 def pytest_sessionfinish(session, exitstatus):
     """A skipped test is a failed run: every test here needs only what CI installs."""
-    venvs.abandon()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = reporter.stats.get("skipped", []) if reporter else []
     if skipped and session.exitstatus == 0:

