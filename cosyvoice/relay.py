@@ -34,11 +34,11 @@ WRITE_TIMEOUT_S = 10.0
 # What an unsubscribe raises on a subscriber connection that broke under it: redis-py's
 # errors, and the socket's (EBADF) or its buffer's ("I/O operation on closed file").
 BROKEN_SUBSCRIBER = (redis.RedisError, OSError, ValueError)
-# A subscriber connection is used by one greenlet at a time: its reader holds the lock
-# while it waits for a message, this long at most, then lets a (un)subscribe in. Two
-# greenlets that both reconnected it after Redis came back read each other's handshake
-# (gevent's ConcurrentObjectUseError), and a channel subscribed then was silently lost.
-READ_SLICE_S = 0.05
+# After the subscriber lost Redis, its reader reconnects it holding the lock that
+# (un)subscribes take, a read this long at most: two greenlets that both reconnected it
+# when Redis came back read each other's handshake (gevent's ConcurrentObjectUseError),
+# and a channel subscribed then was silently lost. A connected reader reads without it.
+RECONNECT_READ_S = 0.05
 
 
 def _unsubscribe_failed(channel: str, exc: Exception) -> None:
@@ -235,12 +235,15 @@ class Channels:
         backoff = Backoff()
         lost = False
         while True:
-            gevent.sleep(0 if self.pubsub.subscribed else READ_SLICE_S)  # (un)subscribes
             try:
-                with self._lock:
-                    if not self.pubsub.subscribed:
-                        continue
-                    msg = self.pubsub.get_message(timeout=READ_SLICE_S)
+                if not self.pubsub.subscribed:
+                    gevent.sleep(0.05)
+                    continue
+                if lost:  # this read reconnects: not while an (un)subscribe does
+                    with self._lock:
+                        msg = self.pubsub.get_message(timeout=RECONNECT_READ_S)
+                else:
+                    msg = self.pubsub.get_message(timeout=1.0)
                 if lost:
                     # The connection came back and redis-py re-subscribed: fetch what
                     # was published while we were not listening.
@@ -326,12 +329,11 @@ class ShardedChannels:
             reader = self.readers.get(name)
             if reader is None:
                 return
-            gevent.sleep(0 if reader.subscribed else READ_SLICE_S)  # (un)subscribes
             try:
-                with self._lock:
-                    if not reader.subscribed or self.readers.get(name) is not reader:
-                        continue
-                    msg = reader.get_message(timeout=READ_SLICE_S)
+                if not reader.subscribed:
+                    gevent.sleep(0.05)
+                    continue
+                msg = reader.get_message(timeout=1.0)
             except redis.RedisError as exc:
                 log.warning("result subscriber of %s lost it: %s", name, exc)
                 metrics.REDIS_ERRORS.inc()
