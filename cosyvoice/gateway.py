@@ -491,11 +491,7 @@ class Gateway:
                            namespace=NAMESPACE)
         log.warning("session lost by the store", extra={"session": conn.session,
                                                         "event": "lost"})
-        self.held.discard(conn.session)
-        try:
-            self.relay.unsubscribe(conn.session, socket_id)
-        except Exception:  # noqa: BLE001 - the subscriber's trouble is not the client's
-            log.exception("result unsubscribe of %s failed", conn.session)
+        self.release_session(conn, socket_id)  # stopped: only its results stop
         gevent.spawn(self._reopen, socket_id, conn)
 
     def _reopen(self, socket_id: str, conn: Connection) -> None:

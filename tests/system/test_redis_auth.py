@@ -9,8 +9,8 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -35,8 +35,6 @@ def transcribed(url: str) -> str:
 
 
 def test_a_cluster_that_requires_a_password_serves_sessions(artifacts):
-    from urllib.parse import quote
-
     with redis_cluster(masters=3, password=PASSWORD) as cluster:
         url = ",".join(f"redis://:{quote(PASSWORD, safe='')}@{n.address}"
                        for n in cluster.nodes)
@@ -67,23 +65,23 @@ def tls_redis(tmp_path: Path):
          "--requirepass", PASSWORD, "--save", "", "--appendonly", "no",
          "--dir", str(tmp_path), "--logfile", str(tmp_path / "redis.log")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + launcher.scaled(10)
-    while True:
+
+    def listening() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError("the TLS redis-server did not start")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
+                return True
         except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the TLS redis-server did not start") from None
-            time.sleep(0.05)
+            return False
+
+    launcher.wait_for(listening, timeout=10)
     yield port, cert
     proc.terminate()
     proc.wait(10)
 
 
 def test_a_tls_redis_that_requires_a_password_serves_sessions(tls_redis, artifacts):
-    from urllib.parse import quote
-
     port, ca = tls_redis
     url = f"rediss://:{quote(PASSWORD, safe='')}@127.0.0.1:{port}/0"
     plain = redis.Redis(port=port, socket_timeout=2)

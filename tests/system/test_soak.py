@@ -29,15 +29,16 @@ def test_a_long_session_ends_complete_with_flat_memory_and_no_phrase_loop(module
     try:
         worker = psutil.Process(svc.pool.proc.pid).children()[0]
         run = stream_long(svc.url, worker.pid, audio, SPEED)
-        (artifacts / "soak.json").write_text(json.dumps(
-            {"rss_mb": run.rss_mb, "wer": corpus_wer([reference], [run.text]),
-             "longest_repeat": longest_repeat(run.text), "finals": len(run.finals)}))
         assert svc.gateway.proc.poll() is None and worker.is_running()
     finally:
         svc.stop()
+    error, repeat = corpus_wer([reference], [run.text]), longest_repeat(run.text)
+    (artifacts / "soak.json").write_text(json.dumps(
+        {"rss_mb": run.rss_mb, "wer": error, "longest_repeat": repeat,
+         "finals": len(run.finals)}))
     assert run.ended, "every final came and the session ended"
     # the transcript is complete: every sentence, about as well as one at a time
-    assert corpus_wer([reference], [run.text]) < 0.08, run.text
-    assert longest_repeat(run.text) <= 2, run.text
+    assert error < 0.08, run.text
+    assert repeat <= 2, run.text
     # memory: flat after warm-up (a leak of the 2 MB a minute once feared would show)
     assert run.rss_growth_mb(WARM_MINUTES) < 5, run.rss_mb
