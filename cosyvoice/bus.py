@@ -9,7 +9,9 @@ trip each, in ``cosyvoice/lua/`` (``scripts.py`` reads them).
 from __future__ import annotations
 
 import functools
+import json
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,10 @@ from .keys import (
     usage_key,
 )
 from .messages import Checkpoint, Published
+
+# The drain rate counts the sessions that ended in this many seconds, at most ENDS_KEPT.
+DRAIN_WINDOW_S = 120
+ENDS_KEPT = 200
 
 # On a cluster, a worker that found no audio asks again after this long (a blocking XREAD
 # would wait on one node only).
@@ -339,6 +345,7 @@ class Bus:
         if announcement:
             pipe.xack(self.k.sessions, WORKER_GROUP, announcement)
             pipe.xdel(self.k.sessions, announcement)
+            self._ended(pipe)
         pipe.execute()
 
     def results_after(self, sid: str, after_id: str = "-"):
@@ -389,7 +396,32 @@ class Bus:
         pipe = self.r.pipeline(transaction=False)
         pipe.xack(self.k.sessions, WORKER_GROUP, msg_id)
         pipe.xdel(self.k.sessions, msg_id)
+        self._ended(pipe)
         pipe.execute()
+
+    def _ended(self, pipe) -> None:
+        """Record that a session ended (an open place freed) for the drain rate."""
+        now_ms = int(time.time() * 1000)
+        pipe.zadd(self.k.ended, {f"{now_ms}-{uuid.uuid4().hex[:8]}": now_ms})
+        pipe.zremrangebyrank(self.k.ended, 0, -ENDS_KEPT - 1)
+
+    def drain_rate(self) -> float | None:
+        """Sessions ended per second over the last ``DRAIN_WINDOW_S`` (the latest
+        ``ENDS_KEPT`` ends at most); None: fewer than two ends in that time."""
+        now_ms = time.time() * 1000
+        ends = self.r.zrangebyscore(self.k.ended, now_ms - DRAIN_WINDOW_S * 1000, "+inf",
+                                    withscores=True)
+        if len(ends) < 2:
+            return None
+        span_s = max(1.0, (now_ms - float(ends[0][1])) / 1000)
+        return len(ends) / span_s
+
+    def worker_loads(self, ids: list[str]) -> dict[str, dict]:
+        """The reported loads of the workers ``ids`` (those that reported one)."""
+        if not ids:
+            return {}
+        raw = self.r.hmget(self.k.worker_load, ids)
+        return {i: json.loads(r) for i, r in zip(ids, raw, strict=True) if r}
 
     def reannounce(self, sid: str, old_msg_id: str) -> None:
         """Hand a session to the next free worker at once (graceful shutdown), unless it
@@ -470,10 +502,13 @@ class Bus:
         return bool(self._publish(keys=[session_key(sid), text_key(sid), audio_key(sid)],
                                   args=args))
 
-    def heartbeat(self, worker_id: str, capacity: int, ttl_ms: int) -> None:
-        """The worker is live for ``ttl_ms`` more, with room for ``capacity`` sessions."""
-        self._heartbeat(keys=[self.k.workers, self.k.worker_capacity],
-                        args=[worker_id, capacity, ttl_ms, WORKER_FORGET_MS])
+    def heartbeat(self, worker_id: str, capacity: int, ttl_ms: int,
+                  load: dict | None = None) -> None:
+        """The worker is live for ``ttl_ms`` more, with room for ``capacity`` sessions and
+        ``load`` its decode queue now (for GET /load: ``worker_loads``)."""
+        self._heartbeat(keys=[self.k.workers, self.k.worker_capacity, self.k.worker_load],
+                        args=[worker_id, capacity, ttl_ms, WORKER_FORGET_MS,
+                              json.dumps(load, separators=(",", ":")) if load else ""])
 
     # ---- sweeper ------------------------------------------------------------------------
 
@@ -542,6 +577,7 @@ class Bus:
         self._delete_keys(pipe, session_keys(sid))
         pipe.xack(self.k.sessions, WORKER_GROUP, msg_id)
         pipe.xdel(self.k.sessions, msg_id)
+        self._ended(pipe)
         pipe.execute()
 
     def remove_worker(self, worker_id: str) -> None:
@@ -549,6 +585,7 @@ class Bus:
         pipe = self.r.pipeline(transaction=False)
         pipe.zrem(self.k.workers, worker_id)
         pipe.hdel(self.k.worker_capacity, worker_id)
+        pipe.hdel(self.k.worker_load, worker_id)
         pipe.execute()
         self.forget_consumers([worker_id])
 

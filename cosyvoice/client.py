@@ -201,6 +201,8 @@ class Transcript:
     finalized: list[dict] = field(default_factory=list)
     # relabel events (speaker labels): each is applied to ``finals`` as it comes
     relabels: list[dict] = field(default_factory=list)
+    # load events: the server spaced this session's partials out (partial_interval_ms)
+    loads: list[dict] = field(default_factory=list)
     ended: bool = False
     resumes: int = 0
     # (monotonic time, event, payload) of everything received, for latency measurements.
@@ -306,6 +308,7 @@ class StreamingClient:
                     "speech_started": self._on_speech_started,
                     "finalized": self._on_finalized,
                     "relabel": self._on_relabel,
+                    "load": self._on_load,
                     "switch_down": lambda data: self._on_switch("switch_down", data),
                     "switch_up": lambda data: self._on_switch("switch_up", data)}
         for event, handler in handlers.items():
@@ -359,6 +362,11 @@ class StreamingClient:
         with self._lock:
             self.result.speech_started.append(data)
             self._record("speech_started", data)
+
+    def _on_load(self, data: dict) -> None:
+        with self._lock:
+            self.result.loads.append(data)
+            self._record("load", data)
 
     def _on_finalized(self, data: dict) -> None:
         with self._lock:

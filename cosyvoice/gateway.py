@@ -21,7 +21,7 @@ from flask import request
 from flask_socketio import SocketIO
 from socketio.exceptions import ConnectionRefusedError as Refused
 
-from . import abr, codecs, metrics
+from . import abr, codecs, load, metrics
 from . import bus as busmod
 from .apikeys import ANONYMOUS, Authenticator
 from .errors import (
@@ -346,7 +346,7 @@ class Gateway:
         if not admission.admitted:
             self._discard(session, client)
             raise Overloaded("every ASR worker is busy; try again later",
-                             retry_after_ms=self.settings.overload_retry_ms)
+                             retry_after_ms=self._retry_after_ms(admission))
         # No result can come before the client's first chunk, which needs the session
         # event that follows this handler.
         try:
@@ -361,6 +361,16 @@ class Gateway:
         self.held.add(session)
         return Connection(session=session, rate=rate, conn_id=conn_id, client=client,
                           bucket=self._bucket(), mode=mode, options=options, subject=subject)
+
+    def _retry_after_ms(self, admission: busmod.Admission) -> int:
+        """A refused client's wait: its place behind the open sessions over the capacity,
+        at the rate sessions ended lately (cosyvoice/load.py)."""
+        try:
+            drain = self.bus.drain_rate()
+        except redis.RedisError:
+            drain = None
+        ahead = (admission.open_sessions or 0) - admission.capacity + 1
+        return load.retry_after_ms(drain, ahead, self.settings.overload_retry_ms)
 
     def _discard(self, session: str, client: str) -> None:
         """Undo a session that is not going ahead (best effort: Redis may be down)."""

@@ -19,6 +19,11 @@ SESSIONS = "sessions"
 WORKER_GROUP = "workers"
 WORKERS = "workers"
 WORKER_CAPACITY = "worker_capacity"
+# When the last sessions ended (a sorted set by time): the drain rate a refusal's
+# retry_after_ms comes from, and GET /load's
+ENDED = "ended"
+# Each live worker's decode queue, as JSON (GET /load)
+WORKER_LOAD = "worker_load"
 # A live worker's entry in WORKERS is dropped this long after its heartbeat lapsed.
 WORKER_FORGET_MS = 60_000
 # The announcement stream keeps this many entries (each is a few dozen bytes).
@@ -31,6 +36,8 @@ class Control:
     sessions: str
     workers: str
     worker_capacity: str
+    ended: str
+    worker_load: str
 
     @property
     def all(self) -> list[str]:
@@ -38,9 +45,10 @@ class Control:
         return [self.sessions, self.workers, self.worker_capacity]
 
 
-CONTROL = Control(SESSIONS, WORKERS, WORKER_CAPACITY)
+CONTROL = Control(SESSIONS, WORKERS, WORKER_CAPACITY, ENDED, WORKER_LOAD)
 CLUSTER_CONTROL = Control("{cosyvoice}:sessions", "{cosyvoice}:workers",
-                          "{cosyvoice}:worker_capacity")
+                          "{cosyvoice}:worker_capacity", "{cosyvoice}:ended",
+                          "{cosyvoice}:worker_load")
 
 
 def face_key(face: str, cid: str) -> str:

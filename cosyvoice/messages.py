@@ -66,6 +66,16 @@ class SpeechStarted(TypedDict):
     seq: NotRequired[int]
 
 
+class LoadNotice(TypedDict):
+    """The session's partials are spaced out (or back to normal): one comes every
+    ``partial_interval_ms`` of speech (a worker under load, cosyvoice/asr/cadence.py);
+    its finals are not delayed."""
+    type: Literal["load"]
+    partial_interval_ms: int
+    busy: bool  # spaced out (False: back to the service's normal cadence)
+    seq: NotRequired[int]
+
+
 class Finalized(TypedDict):
     """A ``finalize`` chunk was decoded: every result of the audio up to chunk ``seq`` was
     published before this (whether the finalize ended an utterance or found none)."""
@@ -99,7 +109,7 @@ class ErrorResult(TypedDict):
     msg: str
 
 
-Published = Result | SpeechStarted | Finalized | Relabel | End | ErrorResult
+Published = Result | SpeechStarted | LoadNotice | Finalized | Relabel | End | ErrorResult
 
 
 def to_json(message: Published) -> str:
@@ -141,7 +151,7 @@ def to_event(session: str, result_id: str,
         return "end", EndEvent(session=session, id=result_id)
     if message["type"] == "error":
         return "error", ErrorEvent(code=message["code"], msg=message["msg"])
-    if message["type"] in ("speech_started", "finalized", "relabel"):
+    if message["type"] in ("speech_started", "load", "finalized", "relabel"):
         marker: Any = {**message, "id": result_id}
         return message["type"], marker
     text: Any = {**message, "id": result_id}

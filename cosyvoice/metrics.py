@@ -61,6 +61,16 @@ ABR_QUEUE_DELAY = Histogram(
     "Estimated queueing delay of each chunk from a client that follows switches: its one-way "
     "delay above the lowest of the last 10 minutes",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0))
+SERVICE_SESSIONS = Gauge(
+    "cosyvoice_service_sessions", "Open sessions of the whole service (admitted, not ended), "
+    "read from Redis at the scrape", multiprocess_mode="mostrecent")
+SERVICE_CAPACITY = Gauge(
+    "cosyvoice_service_capacity", "Sessions the live ASR workers admit in all, read from "
+    "Redis at the scrape", multiprocess_mode="mostrecent")
+SERVICE_LOAD = Gauge(
+    "cosyvoice_service_load_ratio", "Open sessions over the workers' capacity (1: full, new "
+    "sessions are refused): what an autoscaler scales the workers on",
+    multiprocess_mode="mostrecent")
 
 # ---- worker -----------------------------------------------------------------------------
 
@@ -119,7 +129,8 @@ REDIS_REDIRECTIONS = Counter(
 
 GATEWAY_METRICS = (SESSIONS_ACTIVE, CHUNKS_ACCEPTED, CHUNKS_REJECTED, ACK_SECONDS, AUDIO_BYTES,
                    AUDIO_SECONDS, ABR_SWITCHES, ABR_RUNG_SECONDS, ABR_QUEUE_DELAY, REDIS_ERRORS,
-                   REDIS_REDIRECTIONS, AUDIO_BY_KEY)
+                   REDIS_REDIRECTIONS, AUDIO_BY_KEY, SERVICE_SESSIONS, SERVICE_CAPACITY,
+                   SERVICE_LOAD)
 WORKER_METRICS = (DECODE_LAG, WORKER_SESSIONS, WORKER_CAPACITY, DECODE_WAIT, DECODE_FINAL,
                   DECODE_BUSY, SPEAKER_CPU, SPEAKER_AUDIO, SPEAKER_RELABELS,
                   OPUS_UNDECODABLE, REDIS_ERRORS, REDIS_REDIRECTIONS)
@@ -131,6 +142,13 @@ for _result in ("stored", "duplicate"):
 for _codec in CODECS:
     AUDIO_BYTES.labels(_codec)
     AUDIO_SECONDS.labels(_codec)
+
+
+def service_load(sessions: int, capacity: int) -> None:
+    """The whole service's sessions and capacity (``GET /load``, a gateway's scrape)."""
+    SERVICE_SESSIONS.set(sessions)
+    SERVICE_CAPACITY.set(capacity)
+    SERVICE_LOAD.set(sessions / capacity if capacity else 1.0)
 
 
 def count_audio(codec: str, payload_bytes: int, seconds: float) -> None:

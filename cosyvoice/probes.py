@@ -1,4 +1,5 @@
-"""The gateway's operational endpoints: readiness (``/readyz``) and metrics (``/metrics``).
+"""The gateway's operational endpoints: readiness (``/readyz``), load (``/load``,
+cosyvoice/load.py) and metrics (``/metrics``).
 
 ``/healthz`` (in ``webui``) says only that the process answers: restart it when that
 fails. ``/readyz`` says whether it can serve a session now — Redis answers and at least
@@ -12,7 +13,7 @@ import redis
 from flask import Flask, Response, jsonify
 
 from . import bus as busmod
-from . import metrics
+from . import load, metrics
 
 # How often each gateway process records its number of connected sessions.
 SESSIONS_SAMPLE_S = 1.0
@@ -45,8 +46,22 @@ def install(app: Flask, gateway) -> None:
         ready, body = readiness(gateway.bus)
         return jsonify(body), 200 if ready else 503
 
+    @app.get("/load")
+    def load_endpoint():
+        try:
+            body = load.report(gateway.bus, gateway.settings.overload_retry_ms)
+        except redis.RedisError as exc:
+            return jsonify({"status": "unavailable", "reason": f"redis unreachable: {exc}"}), 503
+        metrics.service_load(body["sessions"], body["capacity"])
+        return jsonify(body)
+
     @app.get("/metrics")
     def metrics_endpoint():
+        try:  # the service's load, as of this scrape
+            metrics.service_load(gateway.bus.open_sessions(),
+                                 sum(w["capacity"] for w in gateway.bus.live_workers()))
+        except redis.RedisError:
+            pass  # the gauges keep their last values; /readyz says Redis is gone
         body, content_type = metrics.exposition()
         return Response(body, content_type=content_type)
 

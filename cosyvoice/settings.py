@@ -70,6 +70,13 @@ class Settings:
     # whisper-live: the open utterance is decoded again for a partial once this much new
     # audio has arrived and as long has passed (docs/engines.md, "Partial interval").
     live_partial_interval_s: float = 1.0
+    # whisper-live with the decode scheduler: under load every session's partials are
+    # spaced out (cosyvoice/asr/cadence.py), down to one per this many seconds of speech
+    # (docs/engines.md, "Partials under load"); set it to live_partial_interval_s for a
+    # fixed cadence.
+    live_partial_floor_s: float = 1.75
+    # ... until partials and finals keep the decode scheduler busy this fraction of the time
+    live_partial_busy: float = 0.8
     # whisper-live: beam width of finals (1 is greedy); partials are always greedy. Beam 5
     # costs little more than greedy on short utterances and fixes words (docs/engines.md).
     live_beam_size: int = 5
@@ -343,6 +350,8 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "worker_capacity": _at_least(0),
     "engine": _one_of(*ENGINES),
     "live_partial_interval_s": _more_than(0),
+    "live_partial_floor_s": _more_than(0),
+    "live_partial_busy": ((lambda v: 0 < v <= 1), "a fraction above 0, at most 1"),
     "live_beam_size": _at_least(1),
     "live_partial_window_s": ((lambda v: 5 <= v <= 30), "seconds from 5 to 30"),
     "live_pause_cut_s": _more_than(0),

@@ -20,6 +20,7 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, cast
 
@@ -28,7 +29,7 @@ import redis
 from . import bus as busmod
 from . import metrics, speakers, stages, sweeper
 from .asr import Model, Stream, Turn, capacity_of
-from .asr.admission import Admission, Targets
+from .asr.admission import Admission, Targets, p95
 from .asr.scheduler import Load
 from .backoff import Backoff
 from .chunk_pb import AudioChunkProto
@@ -62,7 +63,9 @@ ROUND_PACE_MAX_S = 0.02
 HANDOVER_FINALS_S = 10.0
 # A capacity that follows the scheduler stays within this many times the engine's
 # measured one (or --calibrate's): a guard against a cost estimate gone wrong
-ADMISSION_CEILING = 2
+ADMISSION_CEILING = 3
+# The recent queue waits of each kind a worker reports with its heartbeat (GET /load)
+REPORTED_WAITS = 40
 # How long one XREAD waits while finals are being decoded: their results are published
 # between reads.
 FINALS_BLOCK_MS = 10
@@ -127,6 +130,10 @@ class Worker:
         self._fed_since = time.monotonic()
         # the speaker embedder thread, started by the first session that asks for labels
         self._embedder: speakers.Embedder | None = None
+        # the scheduler's recent queue waits and its partial cadence, for the heartbeat
+        self._waits: dict[str, deque[float]] = {
+            kind: deque(maxlen=REPORTED_WAITS) for kind in ("final", "partial")}
+        self._report: dict | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -242,7 +249,7 @@ class Worker:
         self.bus.touch_announcements(self.id, [s.announcement for s in self.sessions.values()])
         if self.stage is not None:
             self._follow_stage()
-        self.bus.heartbeat(self.id, self.capacity, self.settings.lease_ttl_ms)
+        self.bus.heartbeat(self.id, self.capacity, self.settings.lease_ttl_ms, self._report)
         metrics.worker_load(len(self.sessions), self.capacity)
 
     def _follow_stage(self) -> None:
@@ -253,17 +260,33 @@ class Worker:
             return  # a stage that reports no load (the finals process)
         if self._embedder is not None:
             # speaker embeddings share the cores: their time counts as decoding's
-            load.busy += self._embedder.sample()
+            embed = self._embedder.sample()
+            load.busy += embed
+            load.final_busy += embed  # a final's work, whatever the partials' cadence
         metrics.scheduler_load(load)
+        self._waits["final"].extend(load.final_waits)
+        self._waits["partial"].extend(load.partial_waits)
+        self._report = {
+            "busy": round(load.busy, 3),
+            **{f"{kind}_wait_p95_ms": round(1000 * p95(w)) if w else None
+               for kind, w in self._waits.items()},
+            "partial_interval_ms": (round(1000 * load.partial_interval)
+                                    if load.partial_interval else None)}
         now = time.monotonic()
         realtime = self._fed_s / (now - self._fed_since) if now > self._fed_since else None
         self._fed_s, self._fed_since = 0.0, now
         if self.admission is None:
             return
+        # Admission counts what must be on time: the finals, and the partials at their
+        # floor cadence, not at today's (cosyvoice/asr/cadence.py). While partials can
+        # still be spaced out, their waits are the cadence's to answer, not admission's.
+        floor = self.settings.live_partial_floor_s
+        yielding = load.partial_interval is not None and load.partial_interval < floor
         before = self.capacity
-        self.capacity = self.admission.update(len(self.sessions), load.busy,
-                                              load.final_waits, load.partial_waits, realtime,
-                                              load.final_times)
+        self.capacity = self.admission.update(len(self.sessions), load.at_floor(floor),
+                                              load.final_waits,
+                                              [] if yielding else load.partial_waits,
+                                              realtime, load.final_times)
         if self.capacity != before:
             log.info("capacity %d -> %d (%s; %d sessions, busy %.2f a session)", before,
                      self.capacity, self.admission.reason, len(self.sessions),

@@ -13,9 +13,14 @@ speech arrives.
   0.003 CPU-s per audio second (benchmarks/vad.py, docs/engines.md). A start keeps
   ``endpoint_preroll_s`` of audio before it, so soft onsets survive.
 - **Partials.** While an utterance is open it is decoded again (greedy) once at least
-  ``live_partial_interval_s`` of new audio has arrived *and* as long has passed on the
+  the partial interval of new audio has arrived *and* as long has passed on the
   clock since the last re-decode: a session that is behind (a worker catching up, a
-  take-over replaying its audio) skips re-decodes instead of queueing them. A partial
+  take-over replaying its audio) skips re-decodes instead of queueing them. The interval
+  is ``live_partial_interval_s``, or, with a decode scheduler, the one it sets from its
+  load (cosyvoice/asr/cadence.py: under load partials are spaced out, down to one per
+  ``live_partial_floor_s``); a session whose interval changes gets a ``load`` event with
+  its ``partial_interval_ms`` (once it is longer than the base, and again when it is back).
+  No partial is decoded where the VAD heard no speech since the last one. A partial
   carries ``stable``: the words its decode and the one before agree on (LocalAgreement, as
   whisper_streaming), which later partials of the utterance rarely change.
 - **Finals** at each endpoint: beam search (``live_beam_size``), the session's previous
@@ -68,6 +73,7 @@ from ..finals import next_prompt
 from ..languages import AUTO, ENGLISH
 from ..settings import Settings
 from . import model_data
+from .cadence import Cadence
 from .endpointer import Endpointer, SileroVad, Turn, next_frame, silero_session
 from .resample import ModelRateInput
 from .scheduler import DecodeJob, DecodeScheduler, Inline, StreamState
@@ -169,9 +175,13 @@ class LiveModel:
     def start_scheduler(self, max_batch: int) -> DecodeScheduler:
         """Decode this process's sessions in a scheduler thread from now on."""
         if not isinstance(self.runner, DecodeScheduler):
+            s = self.settings
+            cadence = Cadence(s.live_partial_interval_s,
+                              max(s.live_partial_interval_s, s.live_partial_floor_s),
+                              s.live_partial_busy, s.partial_wait_target_ms / 1000)
             self.runner = DecodeScheduler(self._decode_final, self._prepare,
                                           self._decode_partials, max_batch,
-                                          start=self._start_decoding)
+                                          start=self._start_decoding, cadence=cadence)
         return self.runner
 
     def start_stage(self, process: bool = True) -> DecodeScheduler | None:
@@ -340,6 +350,7 @@ class LiveStream:
         self._max_utt = int(min(s.max_utterance_s, MAX_CLIP_S) * MODEL_RATE)
         self._pause_cut = int(s.live_pause_cut_s * MODEL_RATE)
         self._interval = s.live_partial_interval_s
+        self._told = self._interval  # the interval the client was last told of (load)
         # A start is called once most of a window is speech: keep a window and more.
         self._history_bytes = 2 * (self._preroll + int((self._window + 0.2) * MODEL_RATE))
         self._offset = int(cp["offset"])  # model-rate samples received since session start
@@ -383,6 +394,8 @@ class LiveStream:
         self._utt_pcm = bytearray()
         self._partial_at = 0  # utterance samples at the last re-decode
         self._partial_time = float("-inf")
+        self._speech_at = 0  # endpointer samples when the VAD last heard speech
+        self._partial_pos = -1  # ... and at the last re-decode
 
     def _seconds(self, samples: int) -> float:
         return round(samples / MODEL_RATE, 3)
@@ -416,6 +429,8 @@ class LiveStream:
             was_in_speech = ep.in_speech
             out = ep.process(frame)
             self._quiet = 0 if ep.last_speech else self._quiet + 1
+            if ep.last_speech:
+                self._speech_at = self._ep_pos
             if out is None:
                 continue
             if not was_in_speech:
@@ -443,16 +458,33 @@ class LiveStream:
     def _partial(self) -> list[messages.Decoded]:
         if not self._partials:
             return []
+        runner = self._model.runner
+        runner.speaking(self._state)
+        interval = runner.partial_interval or self._interval
+        told = self._tell(interval)
         n = len(self._utt_pcm) // 2
         now = self._model.clock()
-        if (n < MIN_PARTIAL_S * MODEL_RATE or n - self._partial_at < self._interval * MODEL_RATE
-                or now - self._partial_time < self._interval):
-            return []
-        self._partial_at, self._partial_time = n, now
+        if (n < MIN_PARTIAL_S * MODEL_RATE or n - self._partial_at < interval * MODEL_RATE
+                or now - self._partial_time < interval):
+            return told
+        # no speech since the last partial (the VAD called the new audio silence): its
+        # decode would say the same
+        if self._speech_at <= self._partial_pos:
+            return told
+        self._partial_at, self._partial_time, self._partial_pos = n, now, self._ep_pos
         result = {"type": "partial", "text": "", "stable": "", "utterance": 0,
                   "start": self._seconds(self._utt_start), "end": self._seconds(self._offset)}
-        return self._ask(DecodeJob("partial", self._state, bytes(self._utt_pcm), result,
-                                   _finish_partial))
+        return told + self._ask(DecodeJob("partial", self._state, bytes(self._utt_pcm),
+                                          result, _finish_partial))
+
+    def _tell(self, interval: float) -> list[messages.Decoded]:
+        """A ``load`` event where the session's partial interval changed since it was last
+        told (the first once it is longer than the base)."""
+        if interval == self._told:
+            return []
+        self._told = interval
+        return [cast(messages.Result, {"type": "load", "busy": interval > self._interval,
+                                       "partial_interval_ms": int(round(interval * 1000))})]
 
     def _ask(self, job: DecodeJob) -> list[messages.Decoded]:
         """Hand a decode to the runner: its result when decoded here and now; otherwise

@@ -14,8 +14,13 @@ the endpointer) and hands each decode to the scheduler, a thread of the worker p
   the same whatever else the worker decodes (CTranslate2 on one thread is deterministic,
   and a batch does not change a clip's result: tests/unit/test_engines.py).
 - **Partials coalesced.** A session has at most one partial waiting: a newer one replaces
-  it, and its final drops it (the utterance is over). So a worker that falls behind
-  decodes fewer partials, on the newest audio, instead of a queue of stale ones.
+  it (in its place in the queue: the waiting partials are decoded oldest first, so no
+  session starves), and its final drops it (the utterance is over). So a worker that falls
+  behind decodes fewer partials, on the newest audio, instead of a queue of stale ones.
+- **Partials yield.** Every ``CADENCE_EVERY_S`` the scheduler sets ``partial_interval``,
+  the interval its sessions ask for partials at, from its load (cosyvoice/asr/cadence.py):
+  as the partials' demand outgrows what the finals leave of the scheduler's time, every
+  session's partials are spaced out, down to the floor.
 - **Batched.** Waiting partials that share a model and an encoder window are decoded as
   one batch, up to ``decode_batch`` (``COSYVOICE_DECODE_BATCH``; chosen by
   ``benchmarks/batching.py``).
@@ -37,7 +42,16 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .admission import p95
+from .cadence import Cadence, partial_interval
+
 log = logging.getLogger("cosyvoice.worker")
+
+# How often the scheduler sets its partial cadence (while it decodes).
+CADENCE_EVERY_S = 0.5
+# A session whose stream was in an utterance within this many seconds is counted as asking
+# for partials (in speech): a pause between two utterances does not drop it.
+ASKING_GRACE_S = 2.0
 
 
 @dataclass
@@ -96,10 +110,29 @@ class Load:
     final_waits: list[float]
     partial_waits: list[float]
     final_times: list[float] = field(default_factory=list)
+    final_busy: float = 0.0  # the fraction of the wall time it was decoding finals
+    # the interval its sessions asked for partials at, at the end of the sample (None:
+    # the scheduler does not pace partials)
+    partial_interval: float | None = None
+
+    def at_floor(self, floor_s: float) -> float:
+        """The busy fraction had every session asked for partials once per ``floor_s``
+        (the cadence's floor) instead of ``partial_interval``: the finals' share as it
+        was, the partials' scaled by the intervals (partials are paced per session, so
+        their decodes go as one over the interval)."""
+        if self.partial_interval is None:
+            return self.busy
+        partials = max(0.0, self.busy - self.final_busy)
+        return self.final_busy + partials * min(1.0, self.partial_interval / floor_s)
 
 
 class Inline:
     """No scheduler: each decode runs when it is asked for, in the caller's thread."""
+
+    partial_interval: float | None = None  # the stream's own cadence
+
+    def speaking(self, state: StreamState) -> None:
+        pass
 
     def __init__(self, decode_final: Callable[[DecodeJob], Any],
                  decode_partial: Callable[[DecodeJob], Any]):
@@ -126,12 +159,16 @@ class DecodeScheduler:
     def __init__(self, decode_final: Callable[[DecodeJob], Any],
                  prepare: Callable[[DecodeJob], Any],
                  decode_partials: Callable[[list[DecodeJob], Callable[[], None]], list[Any]],
-                 max_batch: int, start: Callable[[], None] | None = None):
+                 max_batch: int, start: Callable[[], None] | None = None,
+                 cadence: Cadence | None = None):
         self._decode_final = decode_final
         self._prepare = prepare
         self._decode_partials = decode_partials
         self.max_batch = max(1, max_batch)
         self._start = start
+        self.cadence = cadence
+        # the interval sessions ask for partials at now (None: their own, fixed cadence)
+        self.partial_interval: float | None = cadence.base_s if cadence else None
         self._cond = threading.Condition()
         self._finals: deque[DecodeJob] = deque()
         self._partials: OrderedDict[int, DecodeJob] = OrderedDict()  # by id(state)
@@ -147,6 +184,15 @@ class DecodeScheduler:
         self._sampled = time.monotonic()
         self._waits: dict[str, list[float]] = {"final": [], "partial": []}
         self._final_times: list[float] = []
+        self._final_busy_s = 0.0
+        # what it did since the cadence was last set (the decode thread's)
+        self._asked: dict[int, float] = {}  # id(state) -> when it was last in speech (lock)
+        self._c_since = time.monotonic()
+        self._c_final_s = 0.0  # seconds decoding finals
+        self._c_partial_s = 0.0  # seconds decoding partials (finals between steps aside)
+        self._c_partials = 0
+        self._c_waits: list[float] = []
+        self._partial_cost: float | None = None  # seconds one partial decode takes
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
         self._thread.start()
 
@@ -156,24 +202,31 @@ class DecodeScheduler:
         job.submitted = time.monotonic()
         with self._cond:
             key = id(job.state)
-            stale = self._partials.pop(key, None)
-            if stale is not None and job.kind == "partial":
-                job.submitted = stale.submitted
             if job.kind == "final":
+                stale = self._partials.pop(key, None)
                 job.state.finals_in_flight += 1
                 self._finals.append(job)
             else:
-                self._partials[key] = job
+                stale = self._partials.get(key)
+                if stale is not None:
+                    job.submitted = stale.submitted
+                self._partials[key] = job  # a replacement keeps its place in the queue
             self._cond.notify_all()
         if stale is not None:  # replaced by a newer partial, or its utterance ended
             self.partials_dropped += 1
             stale.drop()
+
+    def speaking(self, state: StreamState) -> None:
+        """The session is in an utterance: it asks for partials (the cadence counts it)."""
+        with self._cond:
+            self._asked[id(state)] = time.monotonic()
 
     def cancel(self, state: StreamState) -> None:
         """The session is gone from this process: nothing of it is decoded any more."""
         with self._cond:
             state.cancelled = True
             stale = self._partials.pop(id(state), None)
+            self._asked.pop(id(state), None)
         if stale is not None:
             stale.drop()
 
@@ -190,13 +243,42 @@ class DecodeScheduler:
             busy_s, self._busy_s = self._busy_s, 0.0
             waits, self._waits = self._waits, {"final": [], "partial": []}
             times, self._final_times = self._final_times, []
+            final_s, self._final_busy_s = self._final_busy_s, 0.0
             wall, self._sampled = now - self._sampled, now
         return Load(min(1.0, busy_s / wall) if wall > 0 else 0.0,
-                    waits["final"], waits["partial"], times)
+                    waits["final"], waits["partial"], times,
+                    min(1.0, final_s / wall) if wall > 0 else 0.0, self.partial_interval)
 
     def _waited(self, job: DecodeJob, started: float) -> None:
         with self._cond:
             self._waits[job.kind].append(started - job.submitted)
+            if job.kind == "partial":
+                self._c_waits.append(started - job.submitted)
+
+    def _pace(self) -> None:
+        """Set the partial cadence from the load since it was last set (decode thread)."""
+        now = time.monotonic()
+        wall = now - self._c_since
+        if self.cadence is None or wall < CADENCE_EVERY_S:
+            return
+        c = self.cadence
+        if self._c_partials:
+            self._partial_cost = self._c_partial_s / self._c_partials
+        with self._cond:
+            horizon = now - ASKING_GRACE_S
+            for key in [k for k, t in self._asked.items() if t < horizon]:
+                del self._asked[key]
+            asking = len(self._asked)
+            waits, self._c_waits = self._c_waits, []
+        previous = self.partial_interval
+        self.partial_interval = partial_interval(
+            c, asking, self._partial_cost or 0.0, self._c_final_s / wall,
+            p95(waits) if waits else None, previous)
+        if self.partial_interval != previous:
+            log.info("partial interval %.2f s -> %.2f s (%d sessions in speech, %.0f ms a "
+                     "partial, finals %.0f%% busy)", previous or 0.0, self.partial_interval,
+                     asking, 1000 * (self._partial_cost or 0.0), 100 * self._c_final_s / wall)
+        self._c_since, self._c_final_s, self._c_partial_s, self._c_partials = now, 0.0, 0.0, 0
 
     def stop(self) -> None:
         with self._cond:
@@ -226,6 +308,7 @@ class DecodeScheduler:
                 self._partial_batch(batch)
             with self._cond:
                 self._busy_s += time.monotonic() - started
+            self._pace()
 
     def _ready_partial(self) -> DecodeJob | None:
         for job in self._partials.values():
@@ -286,6 +369,10 @@ class DecodeScheduler:
             with self._cond:
                 self._final_times.append(time.monotonic() - job.submitted)
         finally:
+            took = time.monotonic() - started
+            self._c_final_s += took
+            with self._cond:
+                self._final_busy_s += took
             with self._cond:
                 st.finals_in_flight -= 1
                 self._cond.notify_all()
@@ -298,6 +385,7 @@ class DecodeScheduler:
                 job.drop()
         if not live:
             return
+        finals_before = self._c_final_s
         try:
             decoded = self._decode_partials(live, self._between)
         except Exception:  # noqa: BLE001 - a partial is not worth a session
@@ -306,6 +394,8 @@ class DecodeScheduler:
                 job.drop()
             return
         self.batches += 1
+        self._c_partial_s += (time.monotonic() - started) - (self._c_final_s - finals_before)
+        self._c_partials += len(live)
         for job, out in zip(live, decoded, strict=True):
             job.finish(job, out)
             job.done = True

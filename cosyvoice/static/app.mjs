@@ -90,6 +90,7 @@ class App {
     this.button = $("record");
     this.label = this.button.querySelector(".label");
     this.connection = $("connection");
+    this.busy = $("busy");
     this.message = $("message");
     this.latency = $("latency");
     this.audio = $("audio");
@@ -323,6 +324,13 @@ class App {
     if (state === "idle") this.level.style.setProperty("--level", "0");
   }
 
+  /** A `load` event: the server spaces this session's partials out (or no longer). */
+  showLoad(load) {
+    const seconds = load.partial_interval_ms / 1000;
+    this.busy.textContent = `busy: live text every ${Number.isInteger(seconds) ? seconds : seconds.toFixed(1)} s`;
+    this.busy.hidden = !load.busy;
+  }
+
   setConnection(state, text) {
     this.connection.dataset.state = state;
     this.connection.textContent = text;
@@ -405,6 +413,7 @@ class App {
     const { mic, stream } = this;
     this.mic = this.stream = null;
     this.encoder = null;
+    this.busy.hidden = true;
     mic?.release();
     this.setState("idle");
     await stream?.close();
@@ -438,6 +447,7 @@ class App {
       text: (result, latencyMs) => this.onText(result, latencyMs),
       relabel: (change) => this.view.relabel(change.utterance, change.speaker, change.spans),
       rungSwitch: (rung, direction) => this.onRungSwitch(rung, direction),
+      load: (load) => this.showLoad(load),
       error: (err, fatal) => this.onServerError(err, fatal),
       end: () => {},
     };

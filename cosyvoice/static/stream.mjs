@@ -82,6 +82,7 @@ export class SpeechStream {
       if (data.id) this.lastResultId = data.id;
       this.on.relabel?.(data);
     });
+    socket.on("load", (data) => this.on.load?.(data));
     socket.on("error", (data) => this.on.error(data, FATAL_CODES.has(data.code)));
     socket.on("switch_down", (data) => this.on.rungSwitch(data, "down"));
     socket.on("switch_up", (data) => this.on.rungSwitch(data, "up"));

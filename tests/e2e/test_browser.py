@@ -445,6 +445,37 @@ def test_page_says_when_the_service_is_at_capacity(artifacts):
             holder.close()
 
 
+def test_page_says_when_the_service_spaces_its_live_text_out(artifacts, tmp_path):
+    """A worker whose partial budget is tiny (COSYVOICE_LIVE_PARTIAL_BUSY) spaces a session's
+    partials out and sends a ``load`` event: the page shows the busy notice while it
+    records, the final text as ever, and no notice once it stops."""
+    names = ["door", "weather", "call", "coffee"]
+    pcm = (b"\0\0" * 4800).join(read_pcm(n) for n in names)
+    wav = tmp_path / "busy.wav"
+    duration = padded_wav(pcm, wav)
+    env = {"COSYVOICE_LIVE_PARTIAL_BUSY": "0.05", "COSYVOICE_LIVE_PARTIAL_FLOOR_S": "3"}
+    with isolated_service(artifacts, "busy-page", env) as svc, \
+            browser_page({"width": 900, "height": 760}, wav) as (page, observed):
+        page.goto(svc.url + "/")
+        busy = page.locator("#busy")
+        expect(busy).to_be_hidden()
+        button = page.locator("#record")
+        page.get_by_role("button", name="Start").click()
+        expect(button).to_have_attribute("aria-pressed", "true")
+        started = time.monotonic()
+        expect(busy).to_be_visible(timeout=int(duration * 1000))
+        expect(busy).to_have_text(re.compile(r"busy: live text every \d+(\.\d)? s"))
+        page.screenshot(path=str(artifacts / "browser-busy.png"))
+        wait_until_played(started, duration)
+        page.get_by_role("button", name="Stop").click()
+        expect(button).to_have_text("Start", timeout=30_000)
+        expect(busy).to_be_hidden()
+        text = page.locator("#finals").inner_text()
+    reference = " ".join(TEXTS[n] for n in names)
+    assert corpus_wer([reference], [text]) <= 0.1, text
+    assert observed.console_errors == []
+
+
 def test_page_explains_a_refused_connection_and_keeps_the_reason(artifacts):
     env = {"COSYVOICE_MAX_SESSIONS_PER_CLIENT": "1"}
     with isolated_service(artifacts, "per-address", env) as svc:

@@ -474,3 +474,147 @@ def test_admission_settles_lower_where_each_final_decodes_longer():
     assert base_best < tiny_best
     for best, tail in ((tiny_best, tiny_tail), (base_best, base_tail)):
         assert set(tail) <= {best, best + 1} and tail.count(best + 1) <= 2
+
+
+# ---- partial cadence (cosyvoice/asr/cadence.py) -----------------------------------------
+
+def cadence(**kw):
+    from cosyvoice.asr.cadence import Cadence
+    return Cadence(**{"base_s": 1.0, "floor_s": 2.0, "budget": 0.8, "wait_s": 0.4, **kw})
+
+
+@pytest.mark.fast
+def test_partials_keep_the_base_cadence_while_there_is_room():
+    from cosyvoice.asr.cadence import partial_interval
+    c = cadence()
+    assert partial_interval(c, 0, 0.0, 0.0) == 1.0  # idle
+    # 8 sessions of 50 ms partials a second: 0.4 of the scheduler, beside 0.3 of finals
+    assert partial_interval(c, 8, 0.05, 0.3) == 1.0
+
+
+@pytest.mark.fast
+def test_partials_are_spaced_out_as_their_demand_outgrows_the_room_finals_leave():
+    from cosyvoice.asr.cadence import partial_interval
+    c = cadence()
+    # 12 sessions x 50 ms = 0.6 s of decoding a second; finals take 0.3 of 0.8: 0.5 left
+    assert partial_interval(c, 12, 0.05, 0.3) == 1.25  # 1.2 s, rounded up to a step
+    # the interval grows with the sessions asking, the cost of a partial and the finals
+    assert partial_interval(c, 14, 0.05, 0.3) == 1.5
+    assert partial_interval(c, 12, 0.06, 0.3) == 1.5
+    assert partial_interval(c, 12, 0.05, 0.4) == 1.5
+    # each interval leaves the partials no more than the room: sessions x cost / interval
+    for n in range(1, 40):
+        got = partial_interval(c, n, 0.05, 0.3)
+        assert got in (1.0, 1.25, 1.5, 1.75, 2.0)
+        assert n * 0.05 / got <= 0.5 + 1e-9 or got == c.floor_s
+
+
+@pytest.mark.fast
+def test_the_floor_holds_however_heavy_the_load():
+    from cosyvoice.asr.cadence import partial_interval
+    c = cadence()
+    assert partial_interval(c, 40, 0.05, 0.3) == 2.0
+    assert partial_interval(c, 12, 0.05, 0.95) == 2.0  # finals take it all
+    assert partial_interval(c, 12, 0.05, 0.3, wait_p95=3.0, previous=2.0) == 2.0
+
+
+@pytest.mark.fast
+def test_partials_waiting_over_target_push_the_interval_out_a_step_at_a_time():
+    """The cores are busier than the measured costs say (another process on them): the
+    partials' queue waits grow, and the interval grows one step a sample until they
+    do not; back within target, the demand alone sets it."""
+    from cosyvoice.asr.cadence import partial_interval
+    c = cadence()
+    assert partial_interval(c, 4, 0.05, 0.2, wait_p95=0.9, previous=1.0) == 1.25
+    assert partial_interval(c, 4, 0.05, 0.2, wait_p95=0.9, previous=1.25) == 1.5
+    assert partial_interval(c, 4, 0.05, 0.2, wait_p95=0.1, previous=1.5) == 1.0
+
+
+def paced(partial_s: float, **kw) -> tuple[Recorder, DecodeScheduler]:
+    """A scheduler with a cadence whose partial decodes take ``partial_s``."""
+    rec = Recorder()
+    rec.gate.set()
+
+    def partials(jobs, between):
+        time.sleep(partial_s * len(jobs))
+        rec.calls.append(("partials", [j.result["name"] for j in jobs]))
+        return [Decoded(j.result["name"]) for j in jobs]
+
+    sched = DecodeScheduler(rec.final, rec.prepare, partials, max_batch=1,
+                            cadence=cadence(**kw))
+    return rec, sched
+
+
+@pytest.mark.fast
+def test_a_waiting_partial_replaced_by_a_newer_one_keeps_its_place_in_the_queue():
+    rec = Recorder()
+    sched = DecodeScheduler(rec.final, rec.prepare, rec.partials, max_batch=1)
+    a, b, c = (StreamState() for _ in range(3))
+    try:
+        sched.submit(job("partial", a, "a1"))
+        assert rec.started.wait(WAIT_S)  # a1 holds the thread
+        b1 = job("partial", b, "b1")
+        sched.submit(b1)
+        sched.submit(job("partial", c, "c1"))
+        b2 = job("partial", b, "b2")  # b has waited longest: b2 goes where b1 was
+        sched.submit(b2)
+        rec.gate.set()
+        assert sched.wait_idle(WAIT_S)
+    finally:
+        sched.stop()
+    assert [call[1] for call in rec.calls] == [["a1"], ["b2"], ["c1"]]
+    assert b2.submitted == b1.submitted
+
+
+@pytest.mark.fast
+def test_the_scheduler_spaces_partials_out_when_its_sessions_ask_for_more_than_it_has():
+    """Ten sessions asking for a partial every 0.1 s of 20 ms decodes: twice what the
+    budget holds. The scheduler sets a longer interval for every session; each session's
+    partials are decoded in turn (none starves); the load it reports says so."""
+    rec, sched = paced(0.02, base_s=0.1, floor_s=1.0, budget=0.5, step_s=0.05)
+    states = [StreamState() for _ in range(10)]
+    try:
+        sched.sample()
+        deadline = time.monotonic() + 2.0
+        k = 0
+        while time.monotonic() < deadline:
+            interval = sched.partial_interval
+            assert interval is not None
+            for i, st in enumerate(states):
+                sched.speaking(st)  # in an utterance, as its stream says with every chunk
+                sched.submit(job("partial", st, f"s{i}-{k}"))
+            k += 1
+            time.sleep(interval)
+        load = sched.sample()
+        assert sched.wait_idle(WAIT_S)
+    finally:
+        sched.stop()
+    # 10 x 20 ms over 0.5 of the time: 0.4 s
+    assert load.partial_interval == pytest.approx(0.4, abs=0.06)
+    assert sched.partial_interval == load.partial_interval
+    decoded = [call[1][0].split("-")[0] for call in rec.calls]
+    counts = [decoded.count(f"s{i}") for i in range(10)]
+    assert min(counts) >= 3 and max(counts) - min(counts) <= 2  # fair: no session starves
+    assert load.final_busy == 0.0 and load.busy <= 0.8
+
+
+@pytest.mark.fast
+def test_admission_counts_the_partials_at_their_floor_cadence():
+    from cosyvoice.asr.scheduler import Load
+    # finals 0.2 of the time, partials 0.4 at a 1 s interval: at a 2 s floor, 0.2
+    load = Load(0.6, [], [], [], final_busy=0.2, partial_interval=1.0)
+    assert load.at_floor(2.0) == pytest.approx(0.4)
+    at_floor = Load(0.6, [], [], [], final_busy=0.2, partial_interval=2.0)
+    assert at_floor.at_floor(2.0) == pytest.approx(0.6)  # already there
+    fixed = Load(0.6, [], [], [], final_busy=0.2)  # no cadence: as it is
+    assert fixed.at_floor(2.0) == 0.6
+
+
+@pytest.mark.fast
+def test_a_refused_client_waits_for_its_place_at_the_measured_drain_rate():
+    from cosyvoice.load import MAX_RETRY_MS, MIN_RETRY_MS, retry_after_ms
+    assert retry_after_ms(None, 1, 2000) == 2000  # nothing ended lately: the setting
+    assert retry_after_ms(0.5, 1, 2000) == 2000  # one place, a session ends every 2 s
+    assert retry_after_ms(0.5, 3, 2000) == 6000  # two clients already ahead of it
+    assert retry_after_ms(100.0, 1, 2000) == MIN_RETRY_MS
+    assert retry_after_ms(0.001, 5, 2000) == MAX_RETRY_MS
