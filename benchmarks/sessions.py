@@ -9,14 +9,18 @@ clients' starts staggered over ``STAGGER_S``. A refused client waits the
 ``retry_after_ms`` it is told (at most 2 s) and asks again until the level's deadline.
 Scenarios:
 
+- ``before``: the code of another checkout (``--baseline``: the release before partials
+  yielded) with its defaults;
 - ``fixed``: partials at the base cadence whatever the load
   (``COSYVOICE_LIVE_PARTIAL_FLOOR_S`` = ``COSYVOICE_LIVE_PARTIAL_INTERVAL_S``: what the
   service did before partials yielded; its admission then counts the partials at that
   cadence, as before);
 - ``yield``: the defaults: partials spaced out under load, down to the floor; admission
-  counts the partials at the floor;
+  counts the partials at the floor (``yield=S``: a floor of S seconds);
 
-each ``+hog`` with ``--hog`` CPU-bound processes beside the service (a core taken).
+each ``+all`` with a fixed capacity that admits every session (the cadence's effect alone,
+at the same load) and ``+hog`` with ``--hog`` CPU-bound processes beside the service (a
+core taken).
 
 Per level and scenario: sessions that ran and refusals; final latency P50/P95 (the chunk
 that ends a final's audio sent, to the final); partial interval P50/P95 (seconds between
@@ -24,11 +28,13 @@ two partials of one utterance) and the latency of live text (each chunk sent, to
 result that covers it); WER over the sessions that ran (Whisper's normaliser); the
 service's CPU (gateway, workers and Redis, in cores); ``load`` events.
 
-    python benchmarks/sessions.py [--levels 12,16,20,24,28] [--scenarios fixed,yield]
-        [--workers 2] [--hog 1] [--json-out F]
+    git worktree add /tmp/before de14d30
+    python benchmarks/sessions.py --baseline /tmp/before [--levels 12,16,20]
+        [--scenarios before,yield] [--workers 2] [--hog 1] [--json-out F]
 
-About 13 minutes with the defaults on a 2-core machine (each level about 65 s); the core
-taken: ``--levels 24 --scenarios fixed+hog,yield+hog`` (about 3 minutes).
+Each level and scenario takes about 85 s on a 2-core machine: the defaults about 9
+minutes, ``--levels 24,28`` about 6, the core taken (``--levels 24 --scenarios
+before+hog,yield+hog``) about 3; every run stays under 15 minutes.
 """
 
 from __future__ import annotations
@@ -41,16 +47,19 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.admission import waits_p95  # noqa: E402
 from benchmarks.engines import CHUNK_S, _dist  # noqa: E402
 from benchmarks.report import markdown, pair, save_json  # noqa: E402
-from benchmarks.stack import Stack, read_fixture  # noqa: E402
+from benchmarks.stack import ROOT, Stack, read_fixture  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
+from cosyvoice import bus as busmod  # noqa: E402
 from cosyvoice.client import Refused, StreamingClient  # noqa: E402
 from tests.helpers import FIXTURES, corpus_wer  # noqa: E402
 
@@ -150,18 +159,39 @@ def service_procs(stack: Stack) -> list[psutil.Process]:
     return roots + [c for r in roots for c in r.children(recursive=True)]
 
 
-def run(scenario: str, offered: int, workers: int, hogs: int) -> dict:
-    kind = scenario.split("+")[0]
+def run(scenario: str, offered: int, workers: int, hogs: int,
+        baseline: Path | None = None) -> dict:
+    kind, *mods = scenario.split("+")
+    kind, _, floor = kind.partition("=")
     env = {"COSYVOICE_ENGINE": "whisper-live", "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
+    if floor:  # "yield=S": another floor
+        env["COSYVOICE_LIVE_PARTIAL_FLOOR_S"] = floor
     if kind == "fixed":
         env["COSYVOICE_LIVE_PARTIAL_FLOOR_S"] = env["COSYVOICE_LIVE_PARTIAL_INTERVAL_S"] = "1.0"
+    if "all" in mods:  # every session admitted: the cadence's effect alone
+        env["COSYVOICE_WORKER_CAPACITY"] = str(math.ceil(offered / workers))
     hog_procs = []
-    if scenario.endswith("+hog"):
+    if "hog" in mods:
         hog_procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                      for _ in range(hogs)]
     try:
-        with Stack(processes=workers, env=env) as stack:
+        if kind == "before" and baseline is None:
+            raise SystemExit("the before scenario needs --baseline")
+        root = baseline if kind == "before" and baseline is not None else ROOT
+        with Stack(processes=workers, env=env, metrics=True, root=root) as stack:
             procs = service_procs(stack)
+            bus = busmod.Bus(stack.client, 1000)
+            seen: list[tuple[int, int]] = []  # (sessions decoding, capacity) each second
+            stop = threading.Event()
+
+            def sample() -> None:
+                while not stop.wait(1.0):
+                    live = bus.live_workers()
+                    seen.append((sum(w["load"] for w in live),
+                                 sum(w["capacity"] for w in live)))
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
             length_s = len(LongClient(stack.url, 0, 0, 0).pcm) / 32000
             start = time.monotonic()
             deadline = start + STAGGER_S + length_s  # a client admitted later runs past it
@@ -174,6 +204,10 @@ def run(scenario: str, offered: int, workers: int, hogs: int) -> dict:
                 c.join(STAGGER_S + 2 * length_s + 120)
             wall = time.monotonic() - start
             cores = (cpu_s(procs) - cpu0) / wall
+            stop.set()
+            sampler.join(5)
+            assert stack.pool.metrics_url is not None
+            waits = waits_p95(stack.pool.metrics_url)
     finally:
         for p in hog_procs:
             p.kill()
@@ -190,6 +224,10 @@ def run(scenario: str, offered: int, workers: int, hogs: int) -> dict:
         "live_ms": _dist([x for c in clients for x in c.live_ms]),
         "wer": round(corpus_wer([c.ref for c in ran], [c.hyp for c in ran]), 4) if ran else None,
         "cpu_cores": round(cores, 2), "load_events": len(intervals),
+        "decoding_max": max((s for s, _ in seen), default=0),
+        "capacity_min_max": [min((c for _, c in seen), default=0),
+                             max((c for _, c in seen), default=0)],
+        "scheduler_wait_p95_ms": waits,
         "longest_interval_ms": max(intervals, default=None),
         "errors": sorted(set(errors)), "error_count": len(errors),
     }
@@ -202,26 +240,34 @@ def run(scenario: str, offered: int, workers: int, hogs: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--levels", default="12,16,20,24,28")
-    ap.add_argument("--scenarios", default="fixed,yield")
+    ap.add_argument("--levels", default="12,16,20")
+    ap.add_argument("--scenarios", default="before,yield")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--hog", type=int, default=1)
+    ap.add_argument("--baseline", type=Path,
+                    help="a checkout of the code before (the before scenario runs it)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     report: dict[str, Any] = {"machine": machine(), "args": vars(args), "levels": []}
     for n in (int(x) for x in args.levels.split(",")):
         for scenario in args.scenarios.split(","):
-            level = run(scenario, n, args.workers, args.hog)
+            level = run(scenario, n, args.workers, args.hog, args.baseline)
             report["levels"].append(level)
             print(json.dumps(level), file=sys.stderr, flush=True)
     print(markdown(
-        ["sessions", "scenario", "ran / refusals", "final P50 / P95 ms",
+        ["sessions", "scenario", "ran / refusals", "decoding at most",
+         "capacity [min, max]", "final P50 / P95 ms",
          "partial interval P50 / P95 ms", "live text P50 / P95 ms", "WER", "CPU (cores)",
-         "load events (longest interval ms)", "targets met"],
-        ([r["offered"], r["scenario"], f"{r['ran']} / {r['refusals']}", pair(r["final_ms"]),
+         "load events (longest interval ms)",
+         "queue wait P95 final / partial ms", "final hand-over to text P95 ms",
+         "targets met"],
+        ([r["offered"], r["scenario"], f"{r['ran']} / {r['refusals']}", r["decoding_max"],
+          r["capacity_min_max"], pair(r["final_ms"]),
           pair(r["partial_gap_ms"]), pair(r["live_ms"]),
           f"{100 * r['wer']:.1f} %" if r["wer"] is not None else "–", r["cpu_cores"],
-          f"{r['load_events']} ({r['longest_interval_ms']})", "yes" if r["meets"] else "no"]
+          f"{r['load_events']} ({r['longest_interval_ms']})",
+          pair(r["scheduler_wait_p95_ms"], "final", "partial"),
+          r["scheduler_wait_p95_ms"].get("done"), "yes" if r["meets"] else "no"]
          for r in report["levels"])))
     if args.json_out:
         save_json(args.json_out, report, indent=1)

@@ -74,7 +74,7 @@ class Settings:
     # spaced out (cosyvoice/asr/cadence.py), down to one per this many seconds of speech
     # (docs/engines.md, "Partials under load"); set it to live_partial_interval_s for a
     # fixed cadence.
-    live_partial_floor_s: float = 1.75
+    live_partial_floor_s: float = 1.5
     # ... until partials and finals keep the decode scheduler busy this fraction of the time
     live_partial_busy: float = 0.8
     # whisper-live: beam width of finals (1 is greedy); partials are always greedy. Beam 5

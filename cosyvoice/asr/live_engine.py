@@ -20,7 +20,8 @@ speech arrives.
   load (cosyvoice/asr/cadence.py: under load partials are spaced out, down to one per
   ``live_partial_floor_s``); a session whose interval changes gets a ``load`` event with
   its ``partial_interval_ms`` (once it is longer than the base, and again when it is back).
-  No partial is decoded where the VAD heard no speech since the last one. A partial
+  No partial is decoded where the VAD heard no speech since the last one; an English
+  partial is decoded without the session's prompt (``_decode_partials``). A partial
   carries ``stable``: the words its decode and the one before agree on (LocalAgreement, as
   whisper_streaming), which later partials of the utterance rarely change.
 - **Finals** at each endpoint: beam search (``live_beam_size``), the session's previous
@@ -100,6 +101,9 @@ SWITCH_PROB = 0.5
 # surely moves it to tiny.en at once (the rest of the utterance, its final included).
 EARLY_ENGLISH_PROB = 0.9
 MULTILINGUAL = "multilingual"  # the multilingual decoder's name (its clips' owner)
+# A session is told of a new partial interval (a ``load`` event) when it changes from the
+# base to longer or back, or by at least this much
+TELL_STEP_S = 0.5
 
 
 def prompt_in(prompt: str, prompt_language: str, language: str) -> str:
@@ -280,8 +284,13 @@ class LiveModel:
         return decoder.clip(job.pcm, self.settings.live_partial_window_s)
 
     def _decode_partials(self, jobs: list[DecodeJob], between) -> list[Decoded]:
+        """English partials are decoded without the session's prompt: with it, tiny.en in a
+        partial's window gave no text for a third of the sentences and 43 % WER, and took
+        a third longer (benchmarks/partial_prompt.py, docs/engines.md "Partials under
+        load"); the final that replaces them keeps it."""
         decoder = self.decoders[jobs[0].clip.owner]
-        prompts = [prompt_in(j.prompt, j.state.prompt_language, j.language) for j in jobs]
+        prompts = ["" if j.language == ENGLISH else
+                   prompt_in(j.prompt, j.state.prompt_language, j.language) for j in jobs]
         return decoder.decode_partials([j.clip for j in jobs], prompts, between,
                                        [j.language for j in jobs])
 
@@ -479,8 +488,10 @@ class LiveStream:
 
     def _tell(self, interval: float) -> list[messages.Decoded]:
         """A ``load`` event where the session's partial interval changed since it was last
-        told (the first once it is longer than the base)."""
-        if interval == self._told:
+        told: from the base to longer or back, or by ``TELL_STEP_S`` or more."""
+        base = self._interval
+        if interval == self._told or ((interval > base) == (self._told > base)
+                                      and abs(interval - self._told) < TELL_STEP_S):
             return []
         self._told = interval
         return [cast(messages.Result, {"type": "load", "busy": interval > self._interval,

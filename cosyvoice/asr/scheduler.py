@@ -49,6 +49,9 @@ log = logging.getLogger("cosyvoice.worker")
 
 # How often the scheduler sets its partial cadence (while it decodes).
 CADENCE_EVERY_S = 0.5
+# The weight of the latest half second in the partial cost and the finals' share the
+# cadence is set from (exponentially smoothed)
+SMOOTHING = 0.3
 # A session whose stream was in an utterance within this many seconds is counted as asking
 # for partials (in speech): a pause between two utterances does not drop it.
 ASKING_GRACE_S = 2.0
@@ -193,6 +196,7 @@ class DecodeScheduler:
         self._c_partials = 0
         self._c_waits: list[float] = []
         self._partial_cost: float | None = None  # seconds one partial decode takes
+        self._finals_share = 0.0  # the fraction of the time finals take
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
         self._thread.start()
 
@@ -262,8 +266,13 @@ class DecodeScheduler:
         if self.cadence is None or wall < CADENCE_EVERY_S:
             return
         c = self.cadence
+        # both smoothed over the last few settings: a half second holds few decodes
         if self._c_partials:
-            self._partial_cost = self._c_partial_s / self._c_partials
+            cost = self._c_partial_s / self._c_partials
+            self._partial_cost = cost if self._partial_cost is None else (
+                (1 - SMOOTHING) * self._partial_cost + SMOOTHING * cost)
+        self._finals_share = ((1 - SMOOTHING) * self._finals_share
+                              + SMOOTHING * self._c_final_s / wall)
         with self._cond:
             horizon = now - ASKING_GRACE_S
             for key in [k for k, t in self._asked.items() if t < horizon]:
@@ -272,12 +281,12 @@ class DecodeScheduler:
             waits, self._c_waits = self._c_waits, []
         previous = self.partial_interval
         self.partial_interval = partial_interval(
-            c, asking, self._partial_cost or 0.0, self._c_final_s / wall,
+            c, asking, self._partial_cost or 0.0, self._finals_share,
             p95(waits) if waits else None, previous)
         if self.partial_interval != previous:
-            log.info("partial interval %.2f s -> %.2f s (%d sessions in speech, %.0f ms a "
+            log.debug("partial interval %.2f s -> %.2f s (%d sessions in speech, %.0f ms a "
                      "partial, finals %.0f%% busy)", previous or 0.0, self.partial_interval,
-                     asking, 1000 * (self._partial_cost or 0.0), 100 * self._c_final_s / wall)
+                     asking, 1000 * (self._partial_cost or 0.0), 100 * self._finals_share)
         self._c_since, self._c_final_s, self._c_partial_s, self._c_partials = now, 0.0, 0.0, 0
 
     def stop(self) -> None:

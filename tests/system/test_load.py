@@ -98,7 +98,8 @@ def partial_gaps(c: StreamingClient, after: float) -> list[float]:
     return gaps
 
 
-def test_a_busy_worker_spaces_partials_out_says_so_and_keeps_its_finals(busy_service):
+def test_a_busy_worker_spaces_partials_out_says_so_keeps_its_finals_and_load_shows_it(
+        busy_service):
     seen: list[dict] = []
 
     def watch() -> None:  # GET /load while the sessions stream
@@ -124,6 +125,7 @@ def test_a_busy_worker_spaces_partials_out_says_so_and_keeps_its_finals(busy_ser
         assert [f["utterance"] for f in finals] == list(range(len(finals)))
         assert len(finals) >= len(UTTERANCES)
         assert corpus_wer([" ".join(refs)], [c.result.text]) <= 0.1, c.result.text
+    # GET /load while they streamed: both sessions, the spaced-out partials
     busiest = max(seen, key=lambda s: s["partial_interval_ms"] or 0)
     assert busiest["sessions"] == 2 and busiest["capacity"] >= 2
     assert busiest["partial_interval_ms"] > 1000
@@ -131,16 +133,14 @@ def test_a_busy_worker_spaces_partials_out_says_so_and_keeps_its_finals(busy_ser
     assert worker["sessions"] == 2 and worker["partial_interval_ms"] > 1000
     assert worker["partial_wait_p95_ms"] is not None and 0 <= worker["busy"] <= 1
 
-
-def test_get_load_says_sessions_capacity_and_drain(busy_service):
-    stream_sessions(busy_service.url, 2)  # two more sessions ended
+    # and once they ended: nothing open, room, the drain measured, the same as gauges
     body = requests.get(busy_service.url + "/load", timeout=10).json()
     assert set(body) == {"sessions", "capacity", "load", "full", "final_wait_p95_ms",
                          "partial_wait_p95_ms", "partial_interval_ms", "drain_per_s",
                          "retry_after_ms", "workers"}
     assert body["sessions"] == 0 and body["capacity"] >= 1 and body["load"] == 0
     assert body["full"] is False and body["retry_after_ms"] is None
-    assert body["drain_per_s"] > 0  # sessions ended within the drain window
+    assert body["drain_per_s"] > 0  # the two sessions ended within the drain window
     assert len(body["workers"]) == 1
     assert set(body["workers"][0]) == {"id", "sessions", "capacity", "busy",
                                        "final_wait_p95_ms", "partial_wait_p95_ms",

@@ -9,6 +9,7 @@ checkpoint, 8/16/48 kHz sessions, and audio no microphone should send.
 from __future__ import annotations
 
 import wave
+from typing import Any
 
 import numpy as np
 import pytest
@@ -258,6 +259,35 @@ def test_partials_are_paced_by_audio_and_clock_and_stable_words_lead():
     # utterance at most.
     behind, _ = _partials(0.0)
     assert 0 < len(behind) <= utterances
+
+
+def test_a_stream_follows_the_interval_its_runner_sets_and_says_so_with_load_events():
+    """A scheduler under load sets a longer partial interval: the stream asks for partials
+    that far apart (in audio and on the clock) and tells the session once with a ``load``
+    event; back at the base, it says so again."""
+    model = live_engine.LiveModel(Settings())
+    model.clock = Clock(0.2)  # real time: one reading a chunk
+    pcm = fixture("harvard_long")
+    model.runner.partial_interval = 2.5
+    stream = model.stream(16000)
+    out: list[Any] = []
+    for i in range(0, len(pcm) // 2, 6400):
+        out += stream.feed(pcm[i:i + 6400])
+    model.runner.partial_interval = None  # the load is gone
+    for i in range(len(pcm) // 2, len(pcm), 6400):
+        out += stream.feed(pcm[i:i + 6400])
+    out += stream.flush()
+    loads = [r for r in out if r["type"] == "load"]
+    assert loads == [{"type": "load", "busy": True, "partial_interval_ms": 2500},
+                     {"type": "load", "busy": False, "partial_interval_ms": 1000}]
+    back = out.index(loads[1])
+    spaced = [r for r in out[:back] if r["type"] == "partial"]
+    assert len(spaced) >= 2
+    # partials of one utterance are 2.5 s of audio apart
+    for a, b in zip(spaced, spaced[1:], strict=False):
+        if a["utterance"] == b["utterance"]:
+            assert b["end"] - a["end"] >= 2.5 - 1e-6
+    assert len([r for r in out[back:] if r["type"] == "partial"]) > len(spaced)
 
 
 # ---- capacity -------------------------------------------------------------------------
