@@ -65,6 +65,20 @@ WARMUP_S = 10.0  # capacity samples before this are left out of its min and max
 STEADY_AFTER_S = 20.0  # latency of the sessions admitted from then on: the steady state
 
 
+def connect_or_wait(c: StreamingClient) -> bool:
+    """Open ``c``'s session; refused as overloaded, wait the ``retry_after_ms`` the refusal
+    hints (at most 2 s) and say False."""
+    try:
+        c.connect(overload_retries=0)
+    except Refused as exc:
+        if exc.code != "overloaded":
+            raise
+        hint = c.result.refusals[-1] if c.result.refusals else {}
+        time.sleep(min(2.0, hint.get("retry_after_ms", 1000) / 1000))
+        return False
+    return True
+
+
 class OfferedClient(Client):
     """A microphone that keeps asking: refused, it waits as hinted and asks again."""
 
@@ -77,14 +91,8 @@ class OfferedClient(Client):
         self._steady = False
 
     def _connect(self, c: StreamingClient) -> bool:
-        try:
-            c.connect(overload_retries=0)
-        except Refused as exc:
-            if exc.code != "overloaded":
-                raise
+        if not connect_or_wait(c):
             self.refusals += 1
-            hint = c.result.refusals[-1] if c.result.refusals else {}
-            time.sleep(min(2.0, hint.get("retry_after_ms", 1000) / 1000))
             return False
         self._steady = time.monotonic() >= self.steady_after
         return True

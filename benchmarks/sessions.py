@@ -54,13 +54,13 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.admission import waits_p95  # noqa: E402
+from benchmarks.admission import connect_or_wait, waits_p95  # noqa: E402
 from benchmarks.engines import CHUNK_S, _dist  # noqa: E402
 from benchmarks.report import markdown, pair, save_json  # noqa: E402
 from benchmarks.stack import ROOT, Stack, read_fixture  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
 from cosyvoice import bus as busmod  # noqa: E402
-from cosyvoice.client import Refused, StreamingClient  # noqa: E402
+from cosyvoice.client import StreamingClient  # noqa: E402
 from tests.helpers import FIXTURES, corpus_wer  # noqa: E402
 
 RECORDINGS = ("harvard_long", "long_unbroken")
@@ -99,14 +99,8 @@ class LongClient(threading.Thread):
         while time.monotonic() < self.deadline:
             c = StreamingClient(self.url)
             try:
-                try:
-                    c.connect(overload_retries=0)
-                except Refused as exc:
-                    if exc.code != "overloaded":
-                        raise
+                if not connect_or_wait(c):
                     self.refusals += 1
-                    hint = c.result.refusals[-1] if c.result.refusals else {}
-                    time.sleep(min(2.0, hint.get("retry_after_ms", 1000) / 1000))
                     continue
                 c.stream_pcm(self.pcm, 16000, pace="realtime")
                 c.wait_end(60)
