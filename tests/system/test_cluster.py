@@ -67,9 +67,13 @@ def test_sessions_spread_over_the_primaries_and_leave_only_the_control_keys(bus,
     for sid in sids:
         bus.delete_session(sid)
     assert bus.open_sessions() == 0
-    assert cluster.key_counts() == idle
-    # the control keys, on the one primary that holds their hash tag
+    # the control keys, on the one primary that holds their hash tag, and from the first
+    # session that ended on, the record of when the last ones did (the drain rate)
     assert sorted(n for n in idle.values() if n) == [3]
+    after = cluster.key_counts()
+    assert sorted(n for n in after.values() if n) == [4]
+    assert {node for node, n in after.items() if n} == {node for node, n in idle.items() if n}
+    assert bus.r.zcard(bus.k.ended) == min(SESSIONS, busmod.ENDS_KEPT)  # bounded
 
 
 def _flush_scripts(cluster) -> None:
