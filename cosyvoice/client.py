@@ -47,9 +47,6 @@ RETRYABLE = {"unavailable", "rate_limited", "seq_gap"}
 # new one on the same connection, whose ``session`` event starts the audio again
 RECOVERED = {"session_lost"}
 RETRY_PAUSE_S = 0.5
-# A client refused as overloaded asks again (as the refusal hints) until it has waited
-# this long in all, and at least its ``overload_retries`` times
-OVERLOAD_PATIENCE_S = 10.0
 
 
 class TranscribeError(Exception):
@@ -440,13 +437,8 @@ class StreamingClient:
     # ---- connection ---------------------------------------------------------------------
 
     def connect(self, timeout: float = 10.0, overload_retries: int = 5) -> dict:
-        """Connect and wait for the ``session`` event; retries ``overloaded`` as hinted:
-        ``overload_retries`` times at least, and on while the waits so far are shorter
-        than ``OVERLOAD_PATIENCE_S`` (the server's hint follows how fast sessions end, so
-        six tries may be a few seconds); ``overload_retries`` 0: not at all."""
-        waited = 0.0
-        attempt = 0
-        while True:
+        """Connect and wait for the ``session`` event; retries ``overloaded`` as hinted."""
+        for attempt in range(overload_retries + 1):
             self._refused.clear()
             self._connect_failure = ""
             self._connect_started = time.monotonic()
@@ -464,18 +456,15 @@ class StreamingClient:
                 raise Unreachable(f"{self.url} opened no session within {timeout:g} s")
             if refusal.get("code") != "overloaded":
                 raise Refused(refusal.get("code", "internal"), refusal.get("msg", ""))
-            if overload_retries == 0 or (attempt >= overload_retries
-                                         and waited >= OVERLOAD_PATIENCE_S):
+            if attempt == overload_retries:
                 break
-            attempt += 1
             after_ms = refusal.get("retry_after_ms", 2000)
             with self._lock:
                 self._record("retry", {"code": "overloaded", "after_ms": after_ms})
             time.sleep(after_ms / 1000)
-            waited += after_ms / 1000
             self._new_sio()
         raise Refused("overloaded", f"the service stayed overloaded after "
-                                    f"{attempt + 1} attempts in {waited:.0f} s")
+                                    f"{overload_retries + 1} attempts")
 
     def _why_unreachable(self, exc: Exception) -> str:
         reason = diagnose(self.url, self._ssl_verify)

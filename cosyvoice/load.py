@@ -27,19 +27,20 @@ from typing import Any
 
 from . import bus as busmod
 
-# What a refused client is told to wait at least and at most.
-MIN_RETRY_MS = 500
+# The longest a refused client is told to wait.
 MAX_RETRY_MS = 60_000
 
 
 def retry_after_ms(drain_per_s: float | None, ahead: int, default_ms: int) -> int:
     """How long a refused client should wait: the places it is behind (``ahead``: the
     open sessions beyond the capacity, and its own) at the rate sessions ended lately
-    (``drain_per_s``); ``default_ms`` where none ended lately."""
+    (``drain_per_s``), and at least ``default_ms`` (``COSYVOICE_OVERLOAD_RETRY_MS``):
+    a service that drains fast does not call every refused client back at once, and a
+    client that tries a fixed number of times keeps its patience."""
     if not drain_per_s or drain_per_s <= 0:
         return default_ms
     wait = 1000 * max(1, ahead) / drain_per_s
-    return int(min(MAX_RETRY_MS, max(MIN_RETRY_MS, math.ceil(wait))))
+    return int(min(max(MAX_RETRY_MS, default_ms), max(default_ms, math.ceil(wait))))
 
 
 def report(bus: busmod.Bus, default_retry_ms: int) -> dict[str, Any]:

@@ -612,9 +612,9 @@ def test_admission_counts_the_partials_at_their_floor_cadence():
 
 @pytest.mark.fast
 def test_a_refused_client_waits_for_its_place_at_the_measured_drain_rate():
-    from cosyvoice.load import MAX_RETRY_MS, MIN_RETRY_MS, retry_after_ms
+    from cosyvoice.load import MAX_RETRY_MS, retry_after_ms
     assert retry_after_ms(None, 1, 2000) == 2000  # nothing ended lately: the setting
-    assert retry_after_ms(0.5, 1, 2000) == 2000  # one place, a session ends every 2 s
-    assert retry_after_ms(0.5, 3, 2000) == 6000  # two clients already ahead of it
-    assert retry_after_ms(100.0, 1, 2000) == MIN_RETRY_MS
+    assert retry_after_ms(0.25, 1, 2000) == 4000  # one place, a session ends every 4 s
+    assert retry_after_ms(0.25, 3, 2000) == 12000  # two clients already ahead of it
+    assert retry_after_ms(100.0, 1, 2000) == 2000  # draining fast: never under the setting
     assert retry_after_ms(0.001, 5, 2000) == MAX_RETRY_MS
