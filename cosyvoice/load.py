@@ -17,7 +17,7 @@ where the service stands against that, for a load balancer or an autoscaler:
 The gateway's ``/metrics`` has the same as gauges (``cosyvoice_service_sessions``,
 ``cosyvoice_service_capacity``, ``cosyvoice_service_load_ratio``), read from Redis at
 each scrape: the metric a Kubernetes HorizontalPodAutoscaler scales the workers on
-(docs/operations.md, "Autoscaling").
+(docs/operations.md, "Load and autoscaling").
 """
 
 from __future__ import annotations

@@ -494,7 +494,7 @@ class LiveStream:
                                       and abs(interval - self._told) < TELL_STEP_S):
             return []
         self._told = interval
-        return [cast(messages.Result, {"type": "load", "busy": interval > self._interval,
+        return [cast(messages.Result, {"type": "load", "busy": interval > base,
                                        "partial_interval_ms": int(round(interval * 1000))})]
 
     def _ask(self, job: DecodeJob) -> list[messages.Decoded]:

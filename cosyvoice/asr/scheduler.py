@@ -382,7 +382,6 @@ class DecodeScheduler:
             self._c_final_s += took
             with self._cond:
                 self._final_busy_s += took
-            with self._cond:
                 st.finals_in_flight -= 1
                 self._cond.notify_all()
 
