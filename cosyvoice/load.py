@@ -43,11 +43,16 @@ def retry_after_ms(drain_per_s: float | None, ahead: int, default_ms: int) -> in
     return int(min(max(MAX_RETRY_MS, default_ms), max(default_ms, math.ceil(wait))))
 
 
+def totals(bus: busmod.Bus) -> tuple[list[dict], int, int]:
+    """(live workers, open sessions, their capacity in all): what admission compares, a new
+    session admitted while open < capacity (``/readyz``, ``GET /load``, the gauges)."""
+    workers = bus.live_workers()
+    return workers, bus.open_sessions(), sum(w["capacity"] for w in workers)
+
+
 def report(bus: busmod.Bus, default_retry_ms: int) -> dict[str, Any]:
     """The body of ``GET /load`` (raises ``redis.RedisError`` where Redis does not answer)."""
-    workers = bus.live_workers()
-    sessions = bus.open_sessions()
-    capacity = sum(w["capacity"] for w in workers)
+    workers, sessions, capacity = totals(bus)
     loads = bus.worker_loads([w["id"] for w in workers])
     drain = bus.drain_rate()
     rows = []

@@ -24,17 +24,13 @@ def readiness(bus: busmod.Bus) -> tuple[bool, dict]:
     heartbeat is fresh."""
     try:
         bus.ping()
-        workers = bus.live_workers()
-        open_sessions = bus.open_sessions()
+        workers, open_sessions, capacity = load.totals(bus)
     except redis.RedisError as exc:
         return False, {"status": "unavailable", "reason": f"redis unreachable: {exc}"}
     if not workers:
         return False, {"status": "unavailable",
                        "reason": "no ASR worker has sent a heartbeat recently"}
-    # `capacity` and `open` are what admission compares: a new session is admitted
-    # while open < capacity.
-    return True, {"status": "ready", "workers": len(workers),
-                  "capacity": sum(w["capacity"] for w in workers),
+    return True, {"status": "ready", "workers": len(workers), "capacity": capacity,
                   "load": sum(w["load"] for w in workers), "open": open_sessions}
 
 
@@ -58,8 +54,8 @@ def install(app: Flask, gateway) -> None:
     @app.get("/metrics")
     def metrics_endpoint():
         try:  # the service's load, as of this scrape
-            metrics.service_load(gateway.bus.open_sessions(),
-                                 sum(w["capacity"] for w in gateway.bus.live_workers()))
+            _workers, sessions, capacity = load.totals(gateway.bus)
+            metrics.service_load(sessions, capacity)
         except redis.RedisError:
             pass  # the gauges keep their last values; /readyz says Redis is gone
         body, content_type = metrics.exposition()
