@@ -35,6 +35,7 @@ About 7 minutes with the defaults on a 2-core machine; every run stays under 15 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -43,6 +44,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,6 +65,19 @@ from cosyvoice.client import Refused, StreamingClient  # noqa: E402
 
 WARMUP_S = 10.0  # capacity samples before this are left out of its min and max
 STEADY_AFTER_S = 20.0  # latency of the sessions admitted from then on: the steady state
+
+
+@contextlib.contextmanager
+def hogs(n: int) -> Iterator[None]:
+    """``n`` CPU-bound processes beside the service while the block runs (a host whose
+    cores are shared with other work)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
 
 
 def connect_or_wait(c: StreamingClient) -> bool:
@@ -160,51 +175,43 @@ def speech_of(speech: str, k: int) -> tuple[dict[str, str], str | None]:
     return {k: v for group in groups().values() for k, v in group.items()}, None
 
 
-def run(scenario: str, offered: int, workers: int, seconds: float, hogs: int,
+def run(scenario: str, offered: int, workers: int, seconds: float, n_hogs: int,
         speech: str = "en") -> dict:
     kind = scenario.split("+")[0]
     env = {"COSYVOICE_ENGINE": "whisper-live", "COSYVOICE_MAX_SESSIONS_PER_CLIENT": "0"}
     if kind.startswith("fixed"):  # "fixed" or "fixed=N" (N a process)
         _, _, n = kind.partition("=")
         env["COSYVOICE_WORKER_CAPACITY"] = n or str(ENGINES["whisper-live"].capacity)
-    hog_procs = []
-    if scenario.endswith("+hog"):
-        hog_procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                     for _ in range(hogs)]
     seen: list[tuple[float, int, int, float]] = []  # (t, sessions, capacity, busy)
-    try:
-        with Stack(processes=workers, env=env, metrics=True) as stack:
-            bus = busmod.Bus(stack.client, 1000)
-            start = time.monotonic()
-            deadline = start + seconds
-            stop = threading.Event()
+    with hogs(n_hogs if scenario.endswith("+hog") else 0), \
+            Stack(processes=workers, env=env, metrics=True) as stack:
+        bus = busmod.Bus(stack.client, 1000)
+        start = time.monotonic()
+        deadline = start + seconds
+        stop = threading.Event()
 
-            def sample() -> None:
-                assert stack.pool.metrics_url is not None
-                while not stop.wait(1.0):
-                    live = bus.live_workers()
-                    seen.append((time.monotonic() - start, sum(w["load"] for w in live),
-                                    sum(w["capacity"] for w in live),
-                                    busy_now(stack.pool.metrics_url)))
-
-            sampler = threading.Thread(target=sample, daemon=True)
-            sampler.start()
-            clients = [OfferedClient(stack.url, deadline, k, *speech_of(speech, k),
-                                     steady_after=start + STEADY_AFTER_S)
-                       for k in range(offered)]
-            for client in clients:
-                client.start()
-                time.sleep(CHUNK_S / offered)
-            for client in clients:
-                client.join(seconds + 120)
-            stop.set()
-            sampler.join(5)
+        def sample() -> None:
             assert stack.pool.metrics_url is not None
-            waits = waits_p95(stack.pool.metrics_url)
-    finally:
-        for p in hog_procs:
-            p.kill()
-            p.wait(10)
+            while not stop.wait(1.0):
+                live = bus.live_workers()
+                seen.append((time.monotonic() - start, sum(w["load"] for w in live),
+                             sum(w["capacity"] for w in live),
+                             busy_now(stack.pool.metrics_url)))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        clients = [OfferedClient(stack.url, deadline, k, *speech_of(speech, k),
+                                 steady_after=start + STEADY_AFTER_S)
+                   for k in range(offered)]
+        for client in clients:
+            client.start()
+            time.sleep(CHUNK_S / offered)
+        for client in clients:
+            client.join(seconds + 120)
+        stop.set()
+        sampler.join(5)
+        assert stack.pool.metrics_url is not None
+        waits = waits_p95(stack.pool.metrics_url)
     steady = [s for s in seen if WARMUP_S <= s[0] <= seconds] or seen
     errors = [e for c in clients for e in c.errors]
     level: dict[str, Any] = {

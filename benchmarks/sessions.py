@@ -43,7 +43,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -54,7 +53,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.admission import connect_or_wait, waits_p95  # noqa: E402
+from benchmarks.admission import connect_or_wait, hogs, waits_p95  # noqa: E402
 from benchmarks.engines import CHUNK_S, _dist  # noqa: E402
 from benchmarks.report import markdown, pair, save_json  # noqa: E402
 from benchmarks.stack import ROOT, Stack, read_fixture  # noqa: E402
@@ -153,7 +152,7 @@ def service_procs(stack: Stack) -> list[psutil.Process]:
     return roots + [c for r in roots for c in r.children(recursive=True)]
 
 
-def run(scenario: str, offered: int, workers: int, hogs: int,
+def run(scenario: str, offered: int, workers: int, n_hogs: int,
         baseline: Path | None = None) -> dict:
     kind, *mods = scenario.split("+")
     kind, _, floor = kind.partition("=")
@@ -164,48 +163,40 @@ def run(scenario: str, offered: int, workers: int, hogs: int,
         env["COSYVOICE_LIVE_PARTIAL_FLOOR_S"] = env["COSYVOICE_LIVE_PARTIAL_INTERVAL_S"] = "1.0"
     if "all" in mods:  # every session admitted: the cadence's effect alone
         env["COSYVOICE_WORKER_CAPACITY"] = str(math.ceil(offered / workers))
-    hog_procs = []
-    if "hog" in mods:
-        hog_procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                     for _ in range(hogs)]
-    try:
-        if kind == "before" and baseline is None:
-            raise SystemExit("the before scenario needs --baseline")
-        root = baseline if kind == "before" and baseline is not None else ROOT
-        with Stack(processes=workers, env=env, metrics=True, root=root) as stack:
-            procs = service_procs(stack)
-            bus = busmod.Bus(stack.client, 1000)
-            seen: list[tuple[int, int]] = []  # (sessions decoding, capacity) each second
-            stop = threading.Event()
+    if kind == "before" and baseline is None:
+        raise SystemExit("the before scenario needs --baseline")
+    root = baseline if kind == "before" and baseline is not None else ROOT
+    with hogs(n_hogs if "hog" in mods else 0), \
+            Stack(processes=workers, env=env, metrics=True, root=root) as stack:
+        procs = service_procs(stack)
+        bus = busmod.Bus(stack.client, 1000)
+        seen: list[tuple[int, int]] = []  # (sessions decoding, capacity) each second
+        stop = threading.Event()
 
-            def sample() -> None:
-                while not stop.wait(1.0):
-                    live = bus.live_workers()
-                    seen.append((sum(w["load"] for w in live),
-                                 sum(w["capacity"] for w in live)))
+        def sample() -> None:
+            while not stop.wait(1.0):
+                live = bus.live_workers()
+                seen.append((sum(w["load"] for w in live),
+                             sum(w["capacity"] for w in live)))
 
-            sampler = threading.Thread(target=sample, daemon=True)
-            sampler.start()
-            length_s = len(LongClient(stack.url, 0, 0, 0).pcm) / 32000
-            start = time.monotonic()
-            deadline = start + STAGGER_S + length_s  # a client admitted later runs past it
-            cpu0 = cpu_s(procs)
-            clients = [LongClient(stack.url, k, start + STAGGER_S * k / offered, deadline)
-                       for k in range(offered)]
-            for c in clients:
-                c.start()
-            for c in clients:
-                c.join(STAGGER_S + 2 * length_s + 120)
-            wall = time.monotonic() - start
-            cores = (cpu_s(procs) - cpu0) / wall
-            stop.set()
-            sampler.join(5)
-            assert stack.pool.metrics_url is not None
-            waits = waits_p95(stack.pool.metrics_url)
-    finally:
-        for p in hog_procs:
-            p.kill()
-            p.wait(10)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        length_s = len(LongClient(stack.url, 0, 0, 0).pcm) / 32000
+        start = time.monotonic()
+        deadline = start + STAGGER_S + length_s  # a client admitted later runs past it
+        cpu0 = cpu_s(procs)
+        clients = [LongClient(stack.url, k, start + STAGGER_S * k / offered, deadline)
+                   for k in range(offered)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(STAGGER_S + 2 * length_s + 120)
+        wall = time.monotonic() - start
+        cores = (cpu_s(procs) - cpu0) / wall
+        stop.set()
+        sampler.join(5)
+        assert stack.pool.metrics_url is not None
+        waits = waits_p95(stack.pool.metrics_url)
     ran = [c for c in clients if c.ran]
     errors = [e for c in clients for e in c.errors]
     intervals = [ld["partial_interval_ms"] for c in clients for ld in c.loads]
