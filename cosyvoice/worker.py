@@ -109,6 +109,11 @@ class Worker:
         self._next_sweep = time.monotonic() + sweeper.SWEEP_INTERVAL_S * 0.5
         self._last_round = 0.0
         self._newest_announcement = "0-0"
+        # Announcements this worker claimed from a dead owner whose lease had not lapsed
+        # yet (the lease can outlive the announcement's idle time by one renewal): taken
+        # again every lease renewal until it lapses (``_retry_unleased``)
+        self._unleased: dict[str, busmod.Announcement] = {}
+        self._next_unleased = 0.0
         # The engine's deferred stage (cosyvoice/stages.py; EngineSpec.stage): the 2-pass
         # finals process (or, ``finals_process=False``: tests that hold finals back, a
         # thread of this one), or whisper-live's decode scheduler
@@ -165,10 +170,12 @@ class Worker:
             now = time.monotonic()
         self._last_round = now
         self._renew_if_due()
+        if self._unleased and now >= self._next_unleased:
+            self._retry_unleased(now)
         if now >= self._next_sweep:
             self._next_sweep = now + sweeper.SWEEP_INTERVAL_S
             sweeper.sweep(self.bus, self.id, self.settings.sweep_idle_s)
-        free = self.capacity - len(self.sessions)
+        free = self.capacity - len(self.sessions) - len(self._unleased)
         if free > 0 and self.accepting:
             self._claim(now, free)
         waiting = self._publish_finals()
@@ -194,6 +201,13 @@ class Worker:
         self._newest_announcement, claimed = self.bus.place(
             self.id, self.capacity, free, orphan_idle_ms, PLACEMENT_DEFER_MS)
         for ann in claimed:
+            self._adopt(ann)
+
+    def _retry_unleased(self, now: float) -> None:
+        """Adopt the claimed sessions whose dead owner's lease has lapsed since."""
+        self._next_unleased = now + self.settings.lease_renew_ms / 1000
+        for ann in list(self._unleased.values()):
+            del self._unleased[ann.sid]
             self._adopt(ann)
 
     def _hand_over(self) -> None:
@@ -303,7 +317,10 @@ class Worker:
             self.bus.ack_announcement(ann.msg_id)
             return
         if not self.bus.take_lease(ann.sid, self.id, self.settings.lease_ttl_ms):
-            return  # still owned by a live worker, or its lease has not lapsed yet
+            # Its owner is live, or died less than a lease ago: the announcement is ours
+            # now (no other worker claims it), so this worker tries again until it can.
+            self._unleased[ann.sid] = ann
+            return
         if checkpoint:
             stream = self.model.stream(checkpoint.rate, checkpoint.state)
             position, next_seq, rate = checkpoint.id, checkpoint.seq + 1, checkpoint.rate

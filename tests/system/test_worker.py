@@ -161,6 +161,32 @@ def test_a_killed_worker_is_taken_over_without_duplicate_finals(fresh_redis, fre
             terminate(w)
 
 
+def test_a_session_claimed_before_its_dead_owners_lease_lapsed_is_adopted_once_it_does(
+        fresh_redis, fresh_redis_client, artifacts):
+    """A dead worker's announcement can be idle a lease long while its lease still runs
+    (it renewed the lease, then died before touching the announcement): the worker that
+    claims it must keep trying the lease, not hold the announcement without decoding."""
+    client = fresh_redis_client
+    bus = busmod.Bus(client)
+    pcm = read_pcm("weather")
+    write_session(bus, "lg", pcm)
+    bus.ensure_group()
+    dead = "host-1-dead00"
+    client.xreadgroup(keys.WORKER_GROUP, dead, {keys.SESSIONS: ">"}, count=1)
+    lease_left_ms = 4 * LEASE_MS
+    client.set(keys.lease_key("lg"), dead, px=lease_left_ms)
+    taken_at = time.monotonic()
+    time.sleep(1.2 * LEASE_MS / 1000)  # the announcement is an orphan now, the lease is not
+    worker = start_pool(fresh_redis.url, artifacts, "lease-lag")
+    try:
+        wait_for(lambda: ended(client, "lg"), timeout=30)
+        assert time.monotonic() - taken_at >= lease_left_ms / 1000, "not before the lease lapsed"
+        assert final_text(client, "lg") == direct_decode(pcm)
+        wait_for(lambda: client.xpending(keys.SESSIONS, keys.WORKER_GROUP)["pending"] == 0)
+    finally:
+        terminate(worker)
+
+
 class ExplodingModel:
     """Test double (named as such): an engine whose stream fails on a chosen session's
     audio. A real engine cannot be made to fail on demand."""
