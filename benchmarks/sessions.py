@@ -233,7 +233,8 @@ def main() -> None:
                     help="a checkout of the code before (the before scenario runs it)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
-    report: dict[str, Any] = {"machine": machine(), "args": vars(args), "levels": []}
+    given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    report: dict[str, Any] = {"machine": machine(), "args": given, "levels": []}
     for n in (int(x) for x in args.levels.split(",")):
         for scenario in args.scenarios.split(","):
             level = run(scenario, n, args.workers, args.hog, args.baseline)

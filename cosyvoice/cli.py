@@ -43,6 +43,8 @@ EXIT_UNREACHABLE = 4
 EXIT_REFUSED = 5
 # Stopped by Ctrl-C.
 EXIT_INTERRUPTED = 130
+# `serve` starts the worker pool once the gateway answers, or after this long regardless
+SERVE_GATEWAY_WAIT_S = 30.0
 
 
 class CliError(Exception):
@@ -397,11 +399,13 @@ def cmd_serve(settings: Settings) -> int:
         print(f"embedded redis on {embedded.url}", file=sys.stderr, flush=True)
     env = {**os.environ, **settings.as_env()}
     nproc = _process_count(settings, None)
-    children = [
-        subprocess.Popen([sys.executable, "-m", "cosyvoice", "gateway"], env=env),
-        subprocess.Popen([sys.executable, "-m", "cosyvoice", "worker",
-                          "--processes", str(nproc)], env=env),
-    ]
+    children = [subprocess.Popen([sys.executable, "-m", "cosyvoice", "gateway"], env=env)]
+    # The worker pool starts once the gateway answers: the pool reads how busy the host's
+    # cores are while it loads its model (cosyvoice/hostload.py), and a gateway starting
+    # beside it would read as other work
+    _wait_healthz(settings.host, settings.port, children[0], SERVE_GATEWAY_WAIT_S)
+    children.append(subprocess.Popen([sys.executable, "-m", "cosyvoice", "worker",
+                                      "--processes", str(nproc)], env=env))
     print(f"cosyvoice serving on http://{settings.host}:{settings.port}/ "
           f"({nproc} ASR worker processes, engine {settings.engine})", file=sys.stderr, flush=True)
     stopping = {"n": 0}
@@ -425,6 +429,23 @@ def cmd_serve(settings: Settings) -> int:
         raise CliError(EXIT_FAILED, f"the {name} exited with status {exited.returncode}; "
                                     "stopped everything")
     return EXIT_OK
+
+
+def _wait_healthz(host: str, port: int, proc: subprocess.Popen, timeout: float) -> None:
+    """Until the server on ``host:port`` answers ``/healthz``, ``proc`` exits, or
+    ``timeout``."""
+    import urllib.request
+
+    host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    host = f"[{host}]" if ":" in host else host
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no HTTP_PROXY
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with direct.open(f"http://{host}:{port}/healthz", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
 
 
 def _stop_children(children: list[subprocess.Popen], stopping: dict) -> None:

@@ -13,19 +13,25 @@ import signal
 import time
 
 from . import bus as busmod
-from . import debug_mem
+from . import debug_mem, hostload
 from .asr import Model, capacity_of, load_model
 from .settings import Settings
 from .worker import Worker
 
 log = logging.getLogger("cosyvoice.worker")
 
+# The shortest time the host's other work is sampled over before the workers start (the
+# model's load, made this long where it was shorter); shorter says little.
+HOST_SAMPLE_S = 0.5
+# A dead worker process is replaced this long after (the host is sampled meanwhile).
+RESTART_PAUSE_S = 0.5
 
-def _run_child(settings: Settings, model: Model) -> int:
+
+def _run_child(settings: Settings, model: Model, others: float | None) -> int:
     model.after_fork()
     client = busmod.connect(settings.redis_url, max_connections=8, blocking=False,
                             cluster=settings.redis_cluster, ca_file=settings.redis_ca_file)
-    worker = Worker(settings, model, client)
+    worker = Worker(settings, model, client, host_others=others)
     stops = {"n": 0}
 
     def on_term(signum, frame):
@@ -36,20 +42,22 @@ def _run_child(settings: Settings, model: Model) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    log.info("worker %s ready (engine %s, capacity %d)", worker.id, model.name,
-             worker.capacity)
+    busy = f"; {others:.2f} of {len(hostload.cores())} cores busy with other work" \
+        if others is not None else ""
+    log.info("worker %s ready (engine %s, capacity %d%s)", worker.id, model.name,
+             worker.capacity, busy)
     debug_mem.start("worker")
     worker.run()
     return 0
 
 
-def _fork_child(settings: Settings, model) -> int:
+def _fork_child(settings: Settings, model, others: float | None) -> int:
     """Fork a worker process; returns its pid (the child never returns)."""
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            code = _run_child(settings, model)
+            code = _run_child(settings, model, others)
         except BaseException:  # noqa: BLE001 - a child must never return into the parent
             log.exception("worker process crashed")
         finally:
@@ -58,19 +66,31 @@ def _fork_child(settings: Settings, model) -> int:
     return pid
 
 
+def _others_since(since: hostload.Sample | None) -> float | None:
+    """Cores busy with other work from ``since`` to now, at least ``HOST_SAMPLE_S`` later."""
+    if since is not None:
+        time.sleep(max(0.0, since.at + HOST_SAMPLE_S - time.monotonic()))
+    return hostload.others(since, hostload.sample())
+
+
 def run_pool(settings: Settings, processes: int) -> int:
     """Load the model once, fork ``processes`` workers, restart any that die.
 
     Decoders are created here, before fork, so their model pages are shared between the
     worker processes. The first SIGTERM drains every worker; a second one kills them.
     """
+    # The host's other work is sampled while the model loads, and again in the pause
+    # before each replacement process (cosyvoice/hostload.py): a whisper-live worker
+    # starts with the share of the cores it leaves (cosyvoice/asr/admission.py,
+    # start_capacity)
+    since = hostload.sample()
     model = load_model(settings.engine, settings)
     model.preload(capacity_of(settings))  # each worker admits the engine's capacity
     children: dict[int, int] = {}
     state = {"stopping": 0}
 
-    def spawn(slot: int) -> None:
-        children[_fork_child(settings, model)] = slot
+    def spawn(slot: int, others: float | None) -> None:
+        children[_fork_child(settings, model, others)] = slot
 
     def on_term(signum, frame):
         state["stopping"] += 1
@@ -81,8 +101,9 @@ def run_pool(settings: Settings, processes: int) -> int:
             except ProcessLookupError:
                 pass
 
+    others = _others_since(since)
     for slot in range(processes):
-        spawn(slot)
+        spawn(slot, others)
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     while children:
@@ -95,7 +116,8 @@ def run_pool(settings: Settings, processes: int) -> int:
         lost = children.pop(pid, None)
         if lost is not None and not state["stopping"]:
             log.warning("worker process %d exited (status %d); starting another", pid, status)
-            time.sleep(0.5)
-            spawn(lost)
+            before = hostload.sample()  # the host over the pause before the restart
+            time.sleep(RESTART_PAUSE_S)
+            spawn(lost, hostload.others(before, hostload.sample()))
     return 0
 

@@ -27,9 +27,9 @@ from typing import Iterator, cast
 import redis
 
 from . import bus as busmod
-from . import metrics, speakers, stages, sweeper
+from . import hostload, metrics, speakers, stages, sweeper
 from .asr import Model, Stream, Turn, capacity_of
-from .asr.admission import Admission, Targets, p95
+from .asr.admission import Admission, Targets, p95, start_capacity
 from .asr.scheduler import Load
 from .backoff import Backoff
 from .chunk_pb import AudioChunkProto
@@ -96,7 +96,8 @@ class Worker:
     """The decode loop of one worker process."""
 
     def __init__(self, settings: Settings, model: Model, client: redis.Redis,
-                 worker_id: str | None = None, finals_process: bool = True):
+                 worker_id: str | None = None, finals_process: bool = True,
+                 host_others: float | None = None):
         self.settings = settings
         self.model = model
         self.capacity = capacity_of(settings)
@@ -120,15 +121,20 @@ class Worker:
         spec = ENGINES[settings.engine]
         self.stage = model.start_stage(finals_process) if spec.stage else None
         # A scheduler's capacity follows what it serves (cosyvoice/asr/admission.py),
-        # unless COSYVOICE_WORKER_CAPACITY fixes it
+        # unless COSYVOICE_WORKER_CAPACITY fixes it; it starts in the share of the cores
+        # that other work left the pool as it started (``host_others`` cores busy)
+        self.host_others = host_others
         self.admission = (
-            Admission(self.capacity, ADMISSION_CEILING * self.capacity,
+            Admission(start_capacity(self.capacity, len(hostload.cores()), host_others),
+                      ADMISSION_CEILING * self.capacity,
                       Targets(settings.final_wait_target_ms / 1000,
                               settings.partial_wait_target_ms / 1000,
                               settings.decode_busy_target,
                               settings.final_target_ms / 1000 or None))
             if spec.stage == "scheduler" and self.stage is not None
             and not settings.worker_capacity else None)
+        if self.admission is not None:
+            self.capacity = self.admission.capacity
         # audio seconds fed to the streams since the scheduler's load was last sampled, and
         # when that was: how many real-time sessions' worth of audio the load came from
         self._fed_s = 0.0

@@ -30,8 +30,11 @@ at every lease renewal and advertises the capacity this module computes from it:
   were measured at the current load, so a new session's cost shows before the next is
   admitted; where the fit is below the capacity (a slower host, longer utterances), it
   drops to the fit.
-- Between 1 and ``ceiling``; an idle process keeps the capacity it had (it starts with the
-  engine's measured capacity). Every change starts a new window of waits.
+- Between 1 and ``ceiling``; an idle process keeps the capacity it had. It starts with the
+  engine's measured capacity in the share of the host's cores that other work leaves
+  (``start_capacity``: the pool samples the host while it loads its model,
+  cosyvoice/hostload.py), so a burst on a host already busy is not admitted at the quiet
+  host's rate before anything is measured. Every change starts a new window of waits.
 
 A wait in the queue is the first signal: it grows with the load alone. The final's time to
 its text is the second: where finals decode at different speeds (the multilingual model's
@@ -52,6 +55,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# Other work on the host below this many cores is noise (a shell, a log shipper, a test
+# runner): the capacity starts at the engine's
+OTHERS_IGNORED = 0.5
 WINDOW = 40  # recent waits of each kind the percentiles are taken over
 MIN_WAITS = 10  # fewer than this say nothing yet (the P95 of 5 is their maximum)
 COST_WINDOW = 10  # recent samples the cost of a session is taken over
@@ -62,6 +68,16 @@ MIN_SAMPLES = 5  # samples with sessions before the cost says anything
 BACKLOG_RATIO = 1.5
 HOLD = 10  # renewals before trying again a capacity that was over target; doubled each
 MAX_HOLD = 160  # time it is over target again, up to this
+
+
+def start_capacity(capacity: int, cores: int, others: float | None) -> int:
+    """The capacity a worker process starts with: the engine's ``capacity``, in the share
+    of the pool's ``cores`` that other work (``others`` cores busy, cosyvoice/hostload.py;
+    None: not known) leaves it. From there it follows the scheduler as always: it grows
+    back while the sessions are within target."""
+    if others is None or others < OTHERS_IGNORED or cores < 1:
+        return capacity
+    return max(1, round(capacity * max(0.0, cores - others) / cores))
 
 
 @dataclass(frozen=True)

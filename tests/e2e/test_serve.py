@@ -15,7 +15,7 @@ from cosyvoice.client import transcribe_pcm
 from cosyvoice.embedded_redis import free_port
 
 from ..helpers import ROOT, direct_decode, fixture_texts, read_pcm, wer
-from ..launcher import wait_http
+from ..launcher import wait_for, wait_http
 
 pytestmark = pytest.mark.e2e
 
@@ -30,9 +30,16 @@ def test_serve_runs_everything_and_ctrl_c_leaves_nothing_behind(artifacts):
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/healthz", proc, timeout=60)
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-        names = " ".join(" ".join(p.cmdline()) for p in descendants)
-        assert "redis-server" in names and "gateway" in names and "worker" in names
+
+        def everything():
+            # the worker pool starts once the gateway answers (docs/deployment.md)
+            found = psutil.Process(proc.pid).children(recursive=True)
+            names = " ".join(" ".join(p.cmdline()) for p in found)
+            if "redis-server" in names and "gateway" in names and "worker" in names:
+                return found
+            return None
+
+        descendants = wait_for(everything, timeout=10)
         # the gateway answers before the workers have loaded; the session waits for them
         result = transcribe_pcm(url, read_pcm("meeting"), 16000, pace="fast")
         ref = fixture_texts()["meeting"]

@@ -320,6 +320,44 @@ def test_the_pool_admits_the_engines_capacity_unless_told(fresh_redis, fresh_red
             fresh_redis_client.flushall()
 
 
+def test_a_pool_started_beside_busy_cores_starts_with_the_share_they_leave(
+        fresh_redis, fresh_redis_client, artifacts):
+    """All the pool's cores but one are taken by CPU-bound processes while it starts: it
+    measures them (cosyvoice/hostload.py) and its worker starts with that share of the
+    engine's capacity instead of the quiet host's (cosyvoice/asr/admission.py)."""
+    import re
+    import sys
+
+    from cosyvoice import bus as busmod
+    from cosyvoice import hostload
+    from cosyvoice.asr.admission import start_capacity
+
+    from .. import launcher
+    cores = len(hostload.cores())
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(max(1, cores - 1))]
+    try:
+        time.sleep(0.5)
+        pool = launcher.start_worker_pool(fresh_redis.url, logs=artifacts, name="busy-host")
+        try:
+            ready = wait_for(lambda: re.search(
+                r"capacity (\d+); ([\d.]+) of (\d+) cores busy with other work",
+                (artifacts / "busy-host.log").read_text()))
+            capacity, others = int(ready.group(1)), float(ready.group(2))
+            assert int(ready.group(3)) == cores
+            assert others >= 0.8 * len(hogs), "the hogs were seen"
+            engine = ENGINES["whisper-live"].capacity
+            assert capacity == start_capacity(engine, cores, others) < engine
+            assert [w["capacity"] for w in busmod.Bus(fresh_redis_client).live_workers()] \
+                == [capacity]
+        finally:
+            launcher.stop(pool.proc)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait(10)
+
+
 def test_a_worker_admits_what_its_decode_scheduler_measures(fresh_redis, fresh_redis_client,
                                                             artifacts):
     """whisper-live without a fixed capacity: the capacity the worker advertises follows

@@ -365,6 +365,62 @@ def test_admission_within_target_grows_one_at_a_time_to_the_measured_fit():
 
 
 @pytest.mark.fast
+def test_a_capacity_starts_in_the_share_of_cores_other_work_leaves_and_grows_back():
+    from cosyvoice.asr.admission import Admission, start_capacity
+    assert start_capacity(6, 2, None) == 6  # nothing known: the engine's
+    assert start_capacity(6, 2, 0.3) == 6  # noise
+    assert start_capacity(6, 2, 1.0) == 3  # a core taken: half
+    assert start_capacity(6, 4, 1.0) == 4  # three quarters of 6: 4.5 rounds to even
+    assert start_capacity(6, 2, 2.0) == 1  # every core busy: still one session
+    assert start_capacity(6, 2, 5.0) == 1
+    # started low, it grows back to the measured fit while its sessions are within target
+    adm = Admission(start=start_capacity(6, 2, 1.0), ceiling=12, targets=targets(busy=0.7))
+    seen = [adm.update(adm.capacity, 0.05 * adm.capacity, [0.1] * W, [0.4] * W)
+            for _ in range(8)]
+    assert seen == [3, 3, 3, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.fast
+def test_the_host_load_is_read_from_proc_stat_for_the_pools_cores_less_its_own_time():
+    from cosyvoice import hostload
+    stat = ("cpu  400 0 200 1000 50 0 0 0 0 0\n"
+            "cpu0 100 0 50 500 25 0 0 0 0 0\n"
+            "cpu1 300 0 150 500 25 0 0 0 0 0\n"
+            "intr 12345\n")
+    assert hostload._cpu_ticks([0], stat) == (150, 675)
+    assert hostload._cpu_ticks([0, 1], stat) == (600, 1650)
+    now = hostload.sample()
+    assert now is not None and now.total > 0  # this is Linux
+    assert hostload.others(None, now) is None and hostload.others(now, now) is None
+    # 2 cores: all busy for 1 s, of which this pool's processes took half a core
+    ticks = hostload.os.sysconf("SC_CLK_TCK")
+    n = len(hostload.cores())
+    before = hostload.Sample(0.0, 0, 0, 0)
+    after = hostload.Sample(1.0, n * ticks, n * ticks, ticks // 2)
+    assert hostload.others(before, after) == n - 0.5
+
+
+@pytest.mark.fast
+def test_under_a_cpu_quota_the_host_load_is_not_known(tmp_path):
+    from cosyvoice import hostload
+    v2 = tmp_path / "v2" / "pod"
+    v2.mkdir(parents=True)
+    (tmp_path / "v2.cgroup").write_text("0::/pod\n")
+    quota = lambda root: hostload.quota(str(tmp_path / root), str(tmp_path / f"{root}.cgroup"))  # noqa: E731
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert not quota("v2")
+    (v2 / "cpu.max").write_text("200000 100000\n")  # two cores' worth
+    assert quota("v2")
+    v1 = tmp_path / "v1" / "cpu,cpuacct" / "docker" / "c1"
+    v1.mkdir(parents=True)
+    (tmp_path / "v1.cgroup").write_text("4:memory:/docker/c1\n2:cpu,cpuacct:/docker/c1\n")
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert not quota("v1")
+    (v1 / "cpu.cfs_quota_us").write_text("150000\n")
+    assert quota("v1")
+
+
+@pytest.mark.fast
 def test_admission_settles_where_a_queueing_scheduler_meets_its_target():
     """A scheduler whose final wait grows as an M/M/1 queue's with its load, offered more
     sessions than it can serve: the capacity settles at the most sessions within the target
