@@ -1,5 +1,6 @@
-"""Partials of long utterances that decode only the audio after their committed segments:
-what it would save, against re-decoding the whole open utterance (what whisper-live does).
+"""Partials of long utterances that decode only the audio after their committed segments,
+or the whole utterance with its stable prefix forced: what each would save, against
+re-decoding the whole open utterance (what whisper-live does).
 
 A partial re-decodes the open utterance in an encoder window of the utterance plus 2 s
 (7.5 s at least), so on continuous speech a partial late in a 12 s utterance costs about
@@ -7,7 +8,9 @@ three times an early one. The alternative measured here (whisper_streaming's): d
 Whisper's timestamps, and once the undecided tail is longer than ``COMMIT_AFTER_S``, commit
 the segments that end at least ``COMMIT_MARGIN_S`` before the end of the audio; later
 partials decode only the audio after the last committed segment and show the committed
-text before theirs.
+text before theirs. The other (the issue's "forced prefix"): decode the whole utterance,
+but start the decoder with the tokens the last two partials agreed on, so only the rest is
+searched.
 
 The utterances are the first and second 12 s of ``harvard_long`` and ``long_unbroken``
 (the longest recordings in the fixtures: an utterance of continuous speech runs to the
@@ -56,7 +59,9 @@ class Decoder:
         self.dec.load()
         self.tok = self.dec.tokenizer("en")
 
-    def decode(self, pcm: bytes, timestamps: bool):
+    def decode(self, pcm: bytes, timestamps: bool, forced: list[int] | None = None):
+        """CPU time, text, segments and the text's tokens; ``forced``: tokens the decode
+        must start with (the stable prefix), after the start-of-transcript ones."""
         from cosyvoice.asr.tiny_whisper import PAD_S
 
         tok, dec = self.tok, self.dec
@@ -64,10 +69,12 @@ class Decoder:
         started = time.process_time()
         encoded = dec._encode([clip])
         head = list(tok.sot_sequence) + ([] if timestamps else [tok.no_timestamps])
-        cap = clip.cap + (TIMESTAMP_TOKENS if timestamps else 0)
+        head += forced or []
+        cap = clip.cap + (TIMESTAMP_TOKENS if timestamps else 0) - len(forced or [])
         out = dec._wm.model.generate(encoded, [head], beam_size=1, max_length=len(head) + cap,
                                      suppress_blank=True, suppress_tokens=[-1])
         cpu = time.process_time() - started
+        # the result starts with the forced tokens
         ids = [i for i in out[0].sequences_ids[0] if i != tok.eot]
         segments, words, start = [], [], None
         for i in ids:
@@ -80,8 +87,16 @@ class Decoder:
             else:
                 segments.append((start, at, tok.decode(words).strip()))
                 words, start = [], None
-        text = tok.decode([i for i in ids if i < tok.timestamp_begin]).strip()
-        return cpu, text, segments
+        tokens = [i for i in ids if i < tok.timestamp_begin]
+        return cpu, tok.decode(tokens).strip(), segments, tokens
+
+
+def agreed(a: list[int], b: list[int]) -> list[int]:
+    """The longest common prefix of two token lists."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
 
 
 def main() -> None:
@@ -89,21 +104,27 @@ def main() -> None:
     ap.add_argument("--json-out")
     args = ap.parse_args()
     d = Decoder()
-    cpu = {"whole": 0.0, "tail": 0.0}
-    last: dict[str, list[str]] = {"whole": [], "tail": []}
+    cpu = {"whole": 0.0, "forced": 0.0, "tail": 0.0}
+    last: dict[str, list[str]] = {"whole": [], "forced": [], "tail": []}
     wholes, partials, commits = [], 0, 0
     for name in ("harvard_long", "long_unbroken"):
         pcm = read_fixture(name)
         for first in (0.0, UTTERANCE_S):
             utt = pcm[int(first * BYTES_PER_S):int((first + UTTERANCE_S) * BYTES_PER_S)]
             committed_s, committed = 0.0, ""
+            before: list[list[int]] = [[], []]  # the last two forced partials' tokens
             k = 1
             while k * STEP_S <= UTTERANCE_S + 1e-6:
                 so_far = utt[:int(k * STEP_S * BYTES_PER_S)]
-                c, whole_text, _ = d.decode(so_far, timestamps=False)
+                c, whole_text, _, _ = d.decode(so_far, timestamps=False)
                 cpu["whole"] += c
+                # the tokens the last two partials agree on, forced (LocalAgreement)
+                stable = agreed(before[0], before[1])
+                c, forced_text, _, tokens = d.decode(so_far, timestamps=False, forced=stable)
+                cpu["forced"] += c
+                before = [before[1], tokens]
                 tail = so_far[2 * (int(committed_s * BYTES_PER_S) // 2):]
-                c, tail_text, segments = d.decode(tail, timestamps=True)
+                c, tail_text, segments, _ = d.decode(tail, timestamps=True)
                 cpu["tail"] += c
                 partials += 1
                 shown = f"{committed} {tail_text}".strip()
@@ -116,10 +137,12 @@ def main() -> None:
                         committed = f"{committed} {' '.join(s[2] for s in done)}".strip()
                 k += 1
             last["whole"].append(whole_text)
+            last["forced"].append(forced_text)
             last["tail"].append(shown)
             wholes.append(d.decode(utt, timestamps=False)[1])
     rows: list[dict[str, Any]] = []
     for label, key in (("the whole open utterance (now)", "whole"),
+                       ("the whole, its stable prefix forced", "forced"),
                        ("after the committed segments", "tail")):
         rows.append({"partials decode": label,
                      "cpu_ms": round(1000 * cpu[key] / partials, 1),
