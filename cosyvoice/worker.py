@@ -123,7 +123,6 @@ class Worker:
         # A scheduler's capacity follows what it serves (cosyvoice/asr/admission.py),
         # unless COSYVOICE_WORKER_CAPACITY fixes it; it starts in the share of the cores
         # that other work left the pool as it started (``host_others`` cores busy)
-        self.host_others = host_others
         self.admission = (
             Admission(start_capacity(self.capacity, len(hostload.cores()), host_others),
                       ADMISSION_CEILING * self.capacity,
@@ -176,7 +175,7 @@ class Worker:
             now = time.monotonic()
         self._last_round = now
         self._renew_if_due()
-        if self._unleased and now >= self._next_unleased:
+        if self._unleased and self.accepting and now >= self._next_unleased:
             self._retry_unleased(now)
         if now >= self._next_sweep:
             self._next_sweep = now + sweeper.SWEEP_INTERVAL_S
@@ -324,7 +323,8 @@ class Worker:
             return
         if not self.bus.take_lease(ann.sid, self.id, self.settings.lease_ttl_ms):
             # Its owner is live, or died less than a lease ago: the announcement is ours
-            # now (no other worker claims it), so this worker tries again until it can.
+            # now (no other worker claims it), so this worker tries again until it can
+            # (a worker that stops first leaves it pending: another claims it a lease later)
             self._unleased[ann.sid] = ann
             return
         if checkpoint:
