@@ -399,15 +399,6 @@ def cmd_serve(settings: Settings) -> int:
         print(f"embedded redis on {embedded.url}", file=sys.stderr, flush=True)
     env = {**os.environ, **settings.as_env()}
     nproc = _process_count(settings, None)
-    children = [subprocess.Popen([sys.executable, "-m", "cosyvoice", "gateway"], env=env)]
-    # The worker pool starts once the gateway answers: the pool reads how busy the host's
-    # cores are while it loads its model (cosyvoice/hostload.py), and a gateway starting
-    # beside it would read as other work
-    _wait_healthz(settings.host, settings.port, children[0], SERVE_GATEWAY_WAIT_S)
-    children.append(subprocess.Popen([sys.executable, "-m", "cosyvoice", "worker",
-                                      "--processes", str(nproc)], env=env))
-    print(f"cosyvoice serving on http://{settings.host}:{settings.port}/ "
-          f"({nproc} ASR worker processes, engine {settings.engine})", file=sys.stderr, flush=True)
     stopping = {"n": 0}
 
     def on_signal(signum, frame):
@@ -415,8 +406,20 @@ def cmd_serve(settings: Settings) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    children = [subprocess.Popen([sys.executable, "-m", "cosyvoice", "gateway"], env=env)]
     exited = None
     try:
+        # The worker pool starts once the gateway answers: the pool reads how busy the
+        # host's cores are while it loads its model (cosyvoice/hostload.py), and a gateway
+        # starting beside it would read as other work
+        _wait_healthz(settings.host, settings.port, children[0], SERVE_GATEWAY_WAIT_S,
+                      lambda: stopping["n"] > 0)
+        if not stopping["n"] and children[0].poll() is None:
+            children.append(subprocess.Popen([sys.executable, "-m", "cosyvoice", "worker",
+                                              "--processes", str(nproc)], env=env))
+            print(f"cosyvoice serving on http://{settings.host}:{settings.port}/ "
+                  f"({nproc} ASR worker processes, engine {settings.engine})",
+                  file=sys.stderr, flush=True)
         while not stopping["n"] and exited is None:
             exited = next((c for c in children if c.poll() is not None), None)
             time.sleep(0.2)
@@ -431,16 +434,17 @@ def cmd_serve(settings: Settings) -> int:
     return EXIT_OK
 
 
-def _wait_healthz(host: str, port: int, proc: subprocess.Popen, timeout: float) -> None:
-    """Until the server on ``host:port`` answers ``/healthz``, ``proc`` exits, or
-    ``timeout``."""
+def _wait_healthz(host: str, port: int, proc: subprocess.Popen, timeout: float,
+                  stopped: Callable[[], bool]) -> None:
+    """Until the server on ``host:port`` answers ``/healthz``, ``proc`` exits, ``stopped()``
+    (Ctrl-C), or ``timeout``."""
     import urllib.request
 
     host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
     host = f"[{host}]" if ":" in host else host
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no HTTP_PROXY
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
+    while time.monotonic() < deadline and proc.poll() is None and not stopped():
         try:
             with direct.open(f"http://{host}:{port}/healthz", timeout=1):
                 return
