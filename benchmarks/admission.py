@@ -35,16 +35,13 @@ About 7 minutes with the defaults on a 2-core machine; every run stays under 15 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,22 +59,10 @@ from benchmarks.transport import machine  # noqa: E402
 from cosyvoice import bus as busmod  # noqa: E402
 from cosyvoice.asr import ENGINES  # noqa: E402
 from cosyvoice.client import Refused, StreamingClient  # noqa: E402
+from tests.helpers import hogs  # noqa: E402
 
 WARMUP_S = 10.0  # capacity samples before this are left out of its min and max
 STEADY_AFTER_S = 20.0  # latency of the sessions admitted from then on: the steady state
-
-
-@contextlib.contextmanager
-def hogs(n: int) -> Iterator[None]:
-    """``n`` CPU-bound processes beside the service while the block runs (a host whose
-    cores are shared with other work)."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait(10)
 
 
 def connect_or_wait(c: StreamingClient) -> bool:

@@ -53,14 +53,14 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.admission import connect_or_wait, hogs, waits_p95  # noqa: E402
+from benchmarks.admission import connect_or_wait, waits_p95  # noqa: E402
 from benchmarks.engines import CHUNK_S, _dist  # noqa: E402
 from benchmarks.report import markdown, pair, save_json  # noqa: E402
 from benchmarks.stack import ROOT, Stack, read_fixture  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
 from cosyvoice import bus as busmod  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
-from tests.helpers import FIXTURES, corpus_wer  # noqa: E402
+from tests.helpers import FIXTURES, corpus_wer, hogs  # noqa: E402
 
 RECORDINGS = ("harvard_long", "long_unbroken")
 PAUSE = b"\0\0" * 16000  # 1 s between the recordings

@@ -5,12 +5,15 @@ Starting and stopping processes is tests/launcher.py's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import wave
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jiwer
@@ -317,3 +320,16 @@ def attributed(finals: Sequence[Mapping[str, Any]],
     true, found = word_speakers(finals, truth)
     mapping = best_mapping(true, found)
     return sum(mapping.get(f) == t for t, f in zip(true, found, strict=True)) / max(1, len(true))
+
+
+@contextlib.contextmanager
+def hogs(n: int) -> Iterator[None]:
+    """``n`` CPU-bound processes beside the service while the block runs (a host whose
+    cores are shared with other work)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

@@ -23,6 +23,7 @@ from .. import launcher
 from ..helpers import (
     direct_decode,
     fixture_texts,
+    hogs,
     read_pcm,
     reference_text,
     results,
@@ -326,7 +327,6 @@ def test_a_pool_started_beside_busy_cores_starts_with_the_share_they_leave(
     measures them (cosyvoice/hostload.py) and its worker starts with that share of the
     engine's capacity instead of the quiet host's (cosyvoice/asr/admission.py)."""
     import re
-    import sys
 
     from cosyvoice import bus as busmod
     from cosyvoice import hostload
@@ -334,9 +334,8 @@ def test_a_pool_started_beside_busy_cores_starts_with_the_share_they_leave(
 
     from .. import launcher
     cores = len(hostload.cores())
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(max(1, cores - 1))]
-    try:
+    taken = max(1, cores - 1)
+    with hogs(taken):
         time.sleep(0.5)
         pool = launcher.start_worker_pool(fresh_redis.url, logs=artifacts, name="busy-host")
         try:
@@ -345,17 +344,13 @@ def test_a_pool_started_beside_busy_cores_starts_with_the_share_they_leave(
                 (artifacts / "busy-host.log").read_text()))
             capacity, others = int(ready.group(1)), float(ready.group(2))
             assert int(ready.group(3)) == cores
-            assert others >= 0.8 * len(hogs), "the hogs were seen"
+            assert others >= 0.8 * taken, "the hogs were seen"
             engine = ENGINES["whisper-live"].capacity
             assert capacity == start_capacity(engine, cores, others) < engine
             assert [w["capacity"] for w in busmod.Bus(fresh_redis_client).live_workers()] \
                 == [capacity]
         finally:
             launcher.stop(pool.proc)
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait(10)
 
 
 def test_a_worker_admits_what_its_decode_scheduler_measures(fresh_redis, fresh_redis_client,
