@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gevent
+import gevent.select
 import redis
 from gevent.event import AsyncResult
 from gevent.lock import Semaphore
@@ -34,11 +35,9 @@ WRITE_TIMEOUT_S = 10.0
 # What an unsubscribe raises on a subscriber connection that broke under it: redis-py's
 # errors, and the socket's (EBADF) or its buffer's ("I/O operation on closed file").
 BROKEN_SUBSCRIBER = (redis.RedisError, OSError, ValueError)
-# After the subscriber lost Redis, its reader reconnects it holding the lock that
-# (un)subscribes take, a read this long at most: two greenlets that both reconnected it
-# when Redis came back read each other's handshake (gevent's ConcurrentObjectUseError),
-# and a channel subscribed then was silently lost. A connected reader reads without it.
-RECONNECT_READ_S = 0.05
+# How long a subscriber's reader waits for data before it looks again (whether it is still
+# subscribed, whether its node is still one it reads).
+READ_WAIT_S = 1.0
 
 
 def _unsubscribe_failed(channel: str, exc: Exception) -> None:
@@ -200,23 +199,82 @@ class ResultRelay:
         route.output.send(session, result_id, messages.from_json(payload))
 
 
+class Subscriber:
+    """One subscriber connection (a redis-py ``PubSub``) that greenlets share: its reader,
+    and the connections' handlers that (un)subscribe.
+
+    Every use of the socket takes ``lock``: a read, a (un)subscribe, and the reconnect
+    redis-py does inside either when the connection broke (it connects again and
+    subscribes every channel again, then our connect callback replays what was missed).
+    Two greenlets that both reconnected it read each other's handshake: gevent's
+    ``ConcurrentObjectUseError``, or a closed buffer's ``ValueError``, which killed the
+    reading greenlet, and every session on that connection got no result again. The
+    reader waits for data without the lock (on its own watcher of the socket), then reads
+    what came under it, so an (un)subscribe waits for no read.
+    """
+
+    def __init__(self, pubsub: PubSub):
+        self.pubsub = pubsub
+        self.lock = Semaphore()
+
+    def read(self, timeout: float = READ_WAIT_S) -> list[dict]:
+        """The messages that came within ``timeout`` (none where nothing is subscribed
+        yet); raises what a broken connection that could not be made again raises."""
+        if not self.pubsub.subscribed:
+            gevent.sleep(0.05)
+            return []
+        _wait_readable(self.pubsub.connection, timeout)
+        with self.lock:
+            messages = []
+            # get_message's two steps: its None is also a message read and dropped (a
+            # subscribe's confirmation), and others may be buffered behind that one.
+            while (response := self.pubsub.parse_response(block=False, timeout=0)) is not None:
+                msg = self.pubsub.handle_message(response)
+                if msg is not None:
+                    messages.append(msg)
+            return messages
+
+    def close(self) -> None:
+        with self.lock:
+            try:
+                self.pubsub.close()
+            except BROKEN_SUBSCRIBER:
+                pass
+
+
+def _wait_readable(conn: Any, timeout: float) -> None:
+    """Wait until the connection's socket has data, at most ``timeout``. A socket closed
+    meanwhile (the connection was made again under the lock) ends the wait: the read
+    under the lock follows."""
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        gevent.sleep(0.05)
+        return
+    if getattr(sock, "pending", lambda: 0)():  # TLS: decrypted bytes already waiting
+        return
+    try:
+        gevent.select.select([sock], [], [], timeout)
+    except Exception:  # noqa: BLE001 - closed under us (EBADF, fileno -1): read now
+        gevent.sleep(0.05)
+
+
 class Channels:
     """The result channels of one gateway process on one Redis: one connection
     subscribed to them all, read by one greenlet."""
 
     def __init__(self, client: redis.Redis, relay: ResultRelay):
         self.relay = relay
-        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
-        self._lock = Semaphore()
+        self.subscriber = Subscriber(client.pubsub(ignore_subscribe_messages=True))
         self._watched: object = None
 
     def start(self) -> None:
         gevent.spawn(self._run)
 
     def add(self, channel: str) -> None:
-        with self._lock:
-            self.pubsub.subscribe(channel)
-            self._watched = on_reconnect(self.pubsub, self._watched, self._reconnected)
+        with self.subscriber.lock:
+            self.subscriber.pubsub.subscribe(channel)
+            self._watched = on_reconnect(self.subscriber.pubsub, self._watched,
+                                         self._reconnected)
 
     def _reconnected(self, _connection) -> None:
         """redis-py connected the subscriber again and subscribed it to every channel:
@@ -225,38 +283,28 @@ class Channels:
         self.relay.missed()
 
     def remove(self, channel: str) -> None:
-        with self._lock:
+        with self.subscriber.lock:
             try:
-                self.pubsub.unsubscribe(channel)
+                self.subscriber.pubsub.unsubscribe(channel)
             except BROKEN_SUBSCRIBER as exc:
                 _unsubscribe_failed(channel, exc)
 
     def _run(self) -> None:
         backoff = Backoff()
-        lost = False
         while True:
             try:
-                if not self.pubsub.subscribed:
-                    gevent.sleep(0.05)
-                    continue
-                if lost:  # this read reconnects: not while an (un)subscribe does
-                    with self._lock:
-                        msg = self.pubsub.get_message(timeout=RECONNECT_READ_S)
-                else:
-                    msg = self.pubsub.get_message(timeout=1.0)
-                if lost:
-                    # The connection came back and redis-py re-subscribed: fetch what
-                    # was published while we were not listening.
-                    lost = False
-                    log.info("result subscriber reconnected; replaying missed results")
-                    self.relay.missed()
+                messages = self.subscriber.read()
                 backoff.succeeded()
-            except redis.RedisError as exc:
-                lost = True
+            except Exception as exc:  # noqa: BLE001 - the reader must outlive any error
+                if not isinstance(exc, redis.RedisError):
+                    log.exception("result subscriber failed")
+                metrics.REDIS_ERRORS.inc()
+                # The read that connects it again replays, through _reconnected.
                 backoff.wait(log, "result subscriber lost redis", exc, gevent.sleep)
                 continue
-            if msg and msg["type"] == "message":
-                _deliver(self.relay, msg)
+            for msg in messages:
+                if msg["type"] == "message":
+                    _deliver(self.relay, msg)
 
 
 class ShardedChannels:
@@ -272,7 +320,7 @@ class ShardedChannels:
     def __init__(self, client: redis.Redis, relay: ResultRelay):
         self.cluster: Any = client  # a RedisCluster (connect(cluster=True))
         self.relay = relay
-        self.readers: dict[str, PubSub] = {}  # node name -> its subscriber
+        self.readers: dict[str, Subscriber] = {}  # node name -> its subscriber
         self.owner: dict[str, str] = {}  # channel -> the node it is subscribed on
         self._watchers: dict[str, _NodeWatch] = {}
         self._lock = Semaphore()
@@ -292,10 +340,11 @@ class ShardedChannels:
             name = self.owner.pop(channel, None)
             reader = self.readers.get(name) if name else None
             if reader is not None:
-                try:
-                    reader.sunsubscribe(channel)
-                except BROKEN_SUBSCRIBER as exc:
-                    _unsubscribe_failed(channel, exc)
+                with reader.lock:
+                    try:
+                        reader.pubsub.sunsubscribe(channel)
+                    except BROKEN_SUBSCRIBER as exc:
+                        _unsubscribe_failed(channel, exc)
 
     def _subscribe(self, channel: str) -> None:
         node = self.cluster.get_node_from_key(channel)
@@ -303,14 +352,16 @@ class ShardedChannels:
         if reader is None:
             conn = redis.Redis(host=node.host, port=node.port, health_check_interval=30,
                                **self._credentials())
-            reader = self.readers[node.name] = conn.pubsub()
+            reader = self.readers[node.name] = Subscriber(conn.pubsub())
             self._watchers[node.name] = _NodeWatch(self, node.name)
             if self._started:
                 gevent.spawn(self._run, node.name)
-        reader.ssubscribe(channel)
-        self.owner[channel] = node.name
-        watch = self._watchers[node.name]
-        watch.connection = on_reconnect(reader, watch.connection, watch.reconnected)
+        with reader.lock:
+            reader.pubsub.ssubscribe(channel)
+            self.owner[channel] = node.name
+            watch = self._watchers[node.name]
+            watch.connection = on_reconnect(reader.pubsub, watch.connection,
+                                            watch.reconnected)
 
     def _credentials(self) -> dict:
         """The cluster client's user, password and TLS, for a node's own subscriber."""
@@ -330,21 +381,19 @@ class ShardedChannels:
             if reader is None:
                 return
             try:
-                if not reader.subscribed:
-                    gevent.sleep(0.05)
-                    continue
-                msg = reader.get_message(timeout=1.0)
-            except redis.RedisError as exc:
+                messages = reader.read()
+            except Exception as exc:  # noqa: BLE001 - the node's reader must outlive any error
+                if not isinstance(exc, redis.RedisError):
+                    log.exception("result subscriber of %s failed", name)
                 log.warning("result subscriber of %s lost it: %s", name, exc)
                 metrics.REDIS_ERRORS.inc()
                 self._lost(name)
                 return
-            if not msg:
-                continue
-            if msg["type"] == "smessage":
-                _deliver(self.relay, msg)
-            elif msg["type"] == "sunsubscribe":
-                self._moved(name, msg["channel"].decode())
+            for msg in messages:
+                if msg["type"] == "smessage":
+                    _deliver(self.relay, msg)
+                elif msg["type"] == "sunsubscribe":
+                    self._moved(name, msg["channel"].decode())
 
     def _lost(self, name: str) -> None:
         """A node's subscriber failed (the node died, or failed over): find each of its
@@ -356,10 +405,7 @@ class ShardedChannels:
             for channel in channels:
                 del self.owner[channel]
         if reader is not None:
-            try:
-                reader.close()
-            except redis.RedisError:
-                pass
+            reader.close()
         self._resubscribe(channels)
 
     def _moved(self, name: str, channel: str) -> None:
