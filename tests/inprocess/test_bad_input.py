@@ -424,7 +424,7 @@ def test_a_subscriber_broken_under_an_unsubscribe_still_releases_the_session(
     def broken(*_channels):
         raise error
 
-    monkeypatch.setattr(gateway.relay.channels.pubsub, "unsubscribe", broken)
+    monkeypatch.setattr(gateway.relay.channels.subscriber.pubsub, "unsubscribe", broken)
     c.disconnect(NAMESPACE)
     released_ms = module_redis_client.pttl(keys.session_key(sid))
     assert held_ms == -1  # no expiry while a connection holds it
