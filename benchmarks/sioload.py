@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import os
 import struct
 import time
@@ -100,6 +101,8 @@ class Measures:
 
     ack_ms: array = field(default_factory=lambda: array("d"))
     partial_ms: array = field(default_factory=lambda: array("d"))
+    # from the send of the chunk holding a final's end to the final (benchmarks/engines.py's)
+    final_ms: array = field(default_factory=lambda: array("d"))
     sent: int = 0
     acked: int = 0
     errors: Counter = field(default_factory=Counter)
@@ -121,6 +124,7 @@ class Stream(asyncio.Protocol):
         self.next_ack = 0
         self.pending: dict[int, tuple[float, bool]] = {}  # ack id -> (sent at, recorded)
         self.sent_at: dict[int, float] = {}  # seq -> sent at, for partials (recorded only)
+        self.chunk_at: dict[int, float] = {}  # seq -> sent at, for finals (recorded only)
         self.stop_ack: int | None = None
         self.stopped = asyncio.get_running_loop().create_future()
         self.sending = False
@@ -247,6 +251,13 @@ class Stream(asyncio.Protocol):
             sent = self.sent_at.pop(data.get("seq"), None)
             if sent is not None and data.get("type") == "partial":
                 self.gen.measures.partial_ms.append((now - sent) * 1000)
+            elif data.get("type") == "final" and "end" in data:
+                end_chunk = max(0, math.ceil(data["end"] / CHUNK_S) - 1)
+                at = self.chunk_at.get(end_chunk)
+                if at is not None:
+                    self.gen.measures.final_ms.append((now - at) * 1000)
+                for k in [k for k in self.chunk_at if k <= end_chunk]:
+                    del self.chunk_at[k]
         elif name == "error":
             self.gen.measures.errors[data.get("code", "?")] += 1
 
@@ -285,6 +296,7 @@ class Stream(asyncio.Protocol):
         if recording:
             gen.measures.sent += 1
             self.sent_at[seq] = now
+            self.chunk_at[seq] = now
         self.timer = gen.loop.call_at(due + CHUNK_S, self._tick, due + CHUNK_S)
 
     def halt(self) -> None:

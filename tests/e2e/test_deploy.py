@@ -166,6 +166,59 @@ def test_the_cluster_variant_runs_every_process_on_the_cluster():
     assert services["worker"]["command"] == WORKER_COMMAND
 
 
+def test_the_gpu_variant_runs_the_workers_from_the_cuda_image_on_the_gpus():
+    """docker-compose.gpu.yml over docker-compose.yml: the worker is built from
+    Dockerfile.cuda, decodes on CUDA and reserves the host's GPUs; the rest is the CPU
+    deployment's. (Checked as docker compose reads it; no Docker daemon runs here.)"""
+    proc = subprocess.run([*_compose_cli(), "-f", str(ROOT / "docker-compose.yml"), "-f",
+                           str(ROOT / "docker-compose.gpu.yml"), "config"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    worker = services["worker"]
+    assert worker["build"]["dockerfile"] == "Dockerfile.cuda"
+    assert worker["command"] == WORKER_COMMAND
+    assert worker["environment"]["COSYVOICE_DEVICE"] == "cuda"
+    assert {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]} in \
+        worker["deploy"]["resources"]["reservations"]["devices"]
+    assert services["gateway-1"]["command"] == GATEWAY_COMMAND
+    assert "deploy" not in services["gateway-1"]
+
+
+def _needed_cuda_libraries() -> set[str]:
+    """The versioned CUDA libraries the installed CTranslate2 library names (its wheel
+    loads them at run time on a GPU), but the driver's own (libcuda) and those only its
+    multi-GPU tensor parallelism uses (NCCL, MPI)."""
+    import ctranslate2
+
+    site = Path(ctranslate2.__file__).resolve().parent.parent
+    names: set[str] = set()
+    for lib in (site / "ctranslate2.libs").glob("libctranslate2*"):
+        data = lib.read_bytes()
+        names |= {m.decode() for m in re.findall(rb"libcu[a-zA-Z]+\.so\.[0-9]+", data)}
+    return {n for n in names if not n.startswith("libcuda.")}
+
+
+def test_the_cuda_image_installs_the_service_as_the_cpu_image_does_and_its_cuda_library():
+    cpu = (ROOT / "Dockerfile").read_text()
+    cuda = (ROOT / "Dockerfile.cuda").read_text()
+    assert re.findall(r"^FROM (.+)$", cuda, re.M) == re.findall(r"^FROM (.+)$", cpu, re.M)
+    for line in cpu.splitlines():  # every step of the CPU image, in the same order
+        if line.startswith(("RUN ", "COPY ", "USER ", "EXPOSE ")):
+            assert line in cuda, line
+    needed = _needed_cuda_libraries()
+    assert needed, "the ctranslate2 wheel names no CUDA library: check how it loads them"
+    # each library NAME.so.MAJOR comes from NVIDIA's wheel nvidia-NAME-cuMAJOR, and its
+    # folder is on the loader's path
+    for name in sorted(needed):
+        match = re.fullmatch(r"lib(cu[a-z]+)\.so\.(\d+)", name)
+        assert match, name
+        lib, major = match.groups()
+        assert re.search(rf"pip install .*nvidia-{lib}-cu{major}==", cuda), name
+        assert f"site-packages/nvidia/{lib}/lib" in cuda, name
+    assert re.search(r"^ENV COSYVOICE_DEVICE=cuda$", cuda, re.M)
+
+
 def test_nginx_accepts_the_rendered_config(stack):
     proc = subprocess.run([*nginx_args(stack.nginx.conf, stack.nginx.workdir), "-t"],
                           capture_output=True, text=True, timeout=30)
