@@ -225,10 +225,18 @@ class Subscriber:
             return []
         _wait_readable(self.pubsub.connection, timeout)
         with self.lock:
-            messages = []
+            messages: list[dict] = []
             # get_message's two steps: its None is also a message read and dropped (a
-            # subscribe's confirmation), and others may be buffered behind that one.
-            while (response := self.pubsub.parse_response(block=False, timeout=0)) is not None:
+            # subscribe's confirmation), and others may be buffered behind that one. The
+            # read's None is also the answer to redis-py's health check, dropped: only a
+            # second None in a row says nothing more has come.
+            nothing = 0
+            while nothing < 2:
+                response = self.pubsub.parse_response(block=False, timeout=0)
+                if response is None:
+                    nothing += 1
+                    continue
+                nothing = 0
                 msg = self.pubsub.handle_message(response)
                 if msg is not None:
                     messages.append(msg)

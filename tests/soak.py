@@ -5,6 +5,7 @@ worker's RSS sampled each audio minute and each final's lag; and the phrase-loop
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Mapping
@@ -79,6 +80,14 @@ class LongRun:
         """How far the RSS rose above its sample at ``after_minute`` (or the first after)."""
         later = [mb for t, mb in self.rss_mb if t >= after_minute]
         return max(later) - later[0] if later else 0.0
+
+    def steady_growth_mb(self, after_minute: float) -> float:
+        """The rise after ``after_minute`` but its largest step from one sample to the
+        next: a leak rises at every step; a buffer grown once (its largest size yet, an
+        allocator's new arena) rises at one."""
+        later = [mb for t, mb in self.rss_mb if t >= after_minute]
+        rises = [max(0.0, b - a) for a, b in itertools.pairwise(later)]
+        return sum(rises) - max(rises, default=0.0)
 
 
 def stream_long(url: str, worker_pid: int, audio: bytes, speed: float,

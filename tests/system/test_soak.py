@@ -40,5 +40,8 @@ def test_a_long_session_ends_complete_with_flat_memory_and_no_phrase_loop(module
     # the transcript is complete: every sentence, about as well as one at a time
     assert error < 0.08, run.text
     assert repeat <= 2, run.text
-    # memory: flat after warm-up (a leak of the 2 MB a minute once feared would show)
-    assert run.rss_growth_mb(WARM_MINUTES) < 5, run.rss_mb
+    # memory: flat after warm-up but for one step. Runs on one host rose about 5.7 MB
+    # once after warm-up, between minutes 2 and 3 in one and 4 and 5 in another, and
+    # under 0.1 MB at the other steps; a leak of 1 MB a minute would rise 2 MB at the
+    # other steps (the 2 MB a minute once feared, 4).
+    assert run.steady_growth_mb(WARM_MINUTES) < 2, run.rss_mb

@@ -171,9 +171,17 @@ def decoder():
     return live_engine.LiveModel(Settings()).decoder
 
 
-def test_a_batch_of_partials_decodes_each_clip_as_it_would_alone(decoder):
-    names = ["birch", "call", "chicken", "coffee"]
-    prompt = "The meeting starts at ten."
+# English partials are decoded without a prompt (the service's way), other languages' with
+# the session's: both, each clip in a batch against the same clip alone. Under this prompt
+# tiny.en loops on "call" ("Please call me back in the morning." over and over) and stops
+# at a near tie between the end of text and another round, which the batch's float
+# arithmetic can break the other way on some CPUs (seen on an AVX-512 host): a looping
+# decode is no clip to compare on.
+@pytest.mark.parametrize("prompt, names", [
+    ("", ["birch", "call", "chicken", "coffee"]),
+    ("The meeting starts at ten.", ["birch", "chicken", "coffee", "door"]),
+])
+def test_a_batch_of_partials_decodes_each_clip_as_it_would_alone(decoder, prompt, names):
     floor = Settings().live_partial_window_s
     clips = [decoder.clip(read_pcm(n), floor) for n in names]
     steps: list[int] = []
