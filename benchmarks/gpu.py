@@ -52,6 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.engines import _dist  # noqa: E402
 from benchmarks.report import markdown, pair  # noqa: E402
 from benchmarks.sioload import ChunkSource, LoadGenerator  # noqa: E402
 from benchmarks.stack import Stack, read_fixture  # noqa: E402
@@ -114,14 +115,6 @@ class GpuSampler(threading.Thread):
                 "util_max": max(self.util), "memory_max_mib": max(self.memory_mib)}
 
 
-def dist(values) -> dict:
-    import numpy as np
-    if not len(values):
-        return {"n": 0}
-    return {"n": len(values), "p50": round(float(np.percentile(values, 50)), 1),
-            "p95": round(float(np.percentile(values, 95)), 1)}
-
-
 def holds(r: dict) -> bool:
     return (r["connected"] == r["sessions"] and not r["errors"]
             and r["final_ms"].get("p95", math.inf) < FINAL_P95_MS
@@ -155,7 +148,7 @@ async def run_level(stack: Stack, n: int, model: str, source: ChunkSource, warmu
     if lost:
         errors["lost chunks"] = lost
     return {"sessions": n, "connected": connected, "seconds": round(wall, 1),
-            "final_ms": dist(m.final_ms), "partial_ms": dist(m.partial_ms),
+            "final_ms": _dist(list(m.final_ms)), "partial_ms": _dist(list(m.partial_ms)),
             "errors": errors, "gpu": gpu_stats,
             "host_cores": round(host, 3),
             "host_cores_per_session": round(host / max(1, connected), 4),
