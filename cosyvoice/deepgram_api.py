@@ -20,7 +20,8 @@ Each session's results become ``Results`` (partials with ``interim_results``; fi
 (``vad_events``) and ``UtteranceEnd`` (``utterance_end_ms``: a gap of that much audio after
 the last word, on the audio clock). Close codes: 1000 after ``CloseStream``, 1011
 ``NET-0001`` when neither audio nor ``KeepAlive`` came for ``listen_idle_timeout_s``, 1008
-``DATA-0000`` for audio that cannot be decoded, 1009 for a frame over ``MAX_FRAME_BYTES``,
+``DATA-0000`` for audio that cannot be decoded, 1009 for a frame over
+``COSYVOICE_MAX_MESSAGE_KB_LISTEN`` (refused before it is read: cosyvoice/wsframes.py),
 1011 when the session store fails.
 
 A client that loses its connection may come back within the grace period with
@@ -57,7 +58,7 @@ from .codecs import CHUNK_MS
 from .errors import CosyvoiceError, Overloaded, RateLimited, Unauthorized, Unavailable
 from .files import IDLE_S, FileSession
 from .gateway import Connection, Gateway
-from .limits import ENDPOINT_MS, MAX_PROMPT_CHARS, parse_auth
+from .limits import ENDPOINT_MS, MAX_PROMPT_CHARS, BodyTooLarge, parse_auth, read_body
 from .live_audio import (
     MAX_CHANNELS,
     RAW_ENCODINGS,
@@ -67,12 +68,12 @@ from .live_audio import (
     open_input,
 )
 from .outputs import SessionsOutput
+from .wsframes import MESSAGE_LIMITS, ON_TOO_BIG
 from .wshandler import ABANDON, PRECHECKS, SUBPROTOCOLS, UPGRADE_HEADERS, Refusal, close_ws
 
 log = logging.getLogger(__name__)
 
 PATH = "/v1/listen"
-MAX_FRAME_BYTES = 4 * 1024 * 1024  # one binary frame (Deepgram suggests 20-250 ms)
 CONTAINERS = ("opus", "ogg-opus", "flac")  # encodings that name a container: PyAV reads it
 RATES = (8000, 48000)  # the sample_rate a raw encoding may have (Hz, inclusive)
 UTTERANCE_END_MS = (1000, 5000)
@@ -100,11 +101,14 @@ class ListenError(Exception):
 
     def refusal(self, request_id: str) -> Refusal:
         reason = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-                  429: "Too Many Requests", 503: "Service Unavailable"}.get(self.status, "Error")
+                  413: "Payload Too Large", 429: "Too Many Requests",
+                  503: "Service Unavailable"}.get(self.status, "Error")
         body = json.dumps({"err_code": self.code, "err_msg": self.message,
                            "request_id": request_id}).encode()
         headers = [("Content-Type", "application/json"), ("dg-error", self.message[:200]),
                    ("dg-request-id", request_id)]
+        if self.status == 413:  # the rest of the body is not read: this connection ends
+            headers.append(("Connection", "close"))
         if self.retry_after_ms is not None:
             headers += [("Retry-After", str(max(1, round(self.retry_after_ms / 1000)))),
                         ("retry-after-ms", str(self.retry_after_ms))]
@@ -304,6 +308,7 @@ def _received(query: dict[str, list[str]]) -> float | None:
 def install(app: Flask, gateway: Gateway) -> None:
     PRECHECKS[PATH] = lambda environ: precheck(gateway, environ)
     SUBPROTOCOLS[PATH] = ("token", "bearer")
+    MESSAGE_LIMITS[PATH] = gateway.settings.max_message_kb_listen * 1024
     app.add_url_rule(PATH, "deepgram_listen", lambda: connect(gateway), websocket=True)
     app.add_url_rule(PATH, "deepgram_listen_http", lambda: http(gateway),
                      methods=["GET", "POST"])
@@ -562,6 +567,7 @@ class Listen:
 
     def run(self, ws) -> None:
         self.ws = ws
+        ws.environ[ON_TOO_BIG] = self.too_big
         self.heard = time.monotonic()
         relay = gevent.spawn(self.relay)
         idle = gevent.spawn(self.watch_idle)
@@ -614,6 +620,10 @@ class Listen:
         self._close(code, f"{dg_code}: {description}")
         self.failed = True
 
+    def too_big(self, limit: int) -> None:
+        """A frame over the limit (its payload unread): say so; wsframes closes 1009."""
+        self.fail(1009, "DATA-0001", f"a frame is at most {limit} bytes")
+
     def _close(self, code: int, reason: str) -> None:
         with self._send_lock:
             if not self.closed:
@@ -637,9 +647,6 @@ class Listen:
         self.heard = time.monotonic()
         if isinstance(frame, str):
             self.control(frame)
-            return
-        if len(frame) > MAX_FRAME_BYTES:
-            self.fail(1009, "DATA-0001", f"a frame is at most {MAX_FRAME_BYTES} bytes")
             return
         if not frame:  # not the end of the stream (Deepgram deprecated that): nothing
             return
@@ -922,7 +929,13 @@ def prerecorded(gateway: Gateway, request_id: str):
     if "json" in (request.content_type or ""):
         raise ListenError(400, "Bad Request", "send the recording itself as the request "
                           "body: this server does not fetch URLs")
-    body = request.get_data()
+    limit = gateway.settings.max_upload_mb * 1024 * 1024
+    try:
+        body = read_body(request.environ, limit)
+    except BodyTooLarge:
+        raise ListenError(413, "PAYLOAD_TOO_LARGE", f"the recording is larger than "
+                          f"{gateway.settings.max_upload_mb} MB "
+                          f"(COSYVOICE_MAX_UPLOAD_MB)") from None
     if not body:
         raise ListenError(400, "Bad Request", "the request body holds no audio")
     streams, rate = gevent.get_hub().threadpool.apply(decode_recording, (body, params))

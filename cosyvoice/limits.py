@@ -185,3 +185,32 @@ class TokenBucket:
 
 
 __all__ = ["ConnectRequest", "parse_auth", "TokenBucket", "CosyvoiceError"]
+
+
+class BodyTooLarge(Exception):
+    """A request body passed its limit (announced, or counted as it streamed)."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the request body is larger than {limit} bytes")
+        self.limit = limit
+
+
+def read_body(environ: dict, limit: int, piece: int = 64 * 1024) -> bytes:
+    """A request's whole body, counted as it streams (chunked or with a Content-Length):
+    ``BodyTooLarge`` as soon as it passes ``limit`` bytes, never a body cut short at the
+    limit (Werkzeug's ``get_data`` under ``MAX_CONTENT_LENGTH`` stops at the limit and
+    answers the first ``limit`` bytes of a chunked body as if they were all of it)."""
+    announced = environ.get("CONTENT_LENGTH") or ""
+    if announced.isdigit() and int(announced) > limit:
+        raise BodyTooLarge(limit)  # nothing of it is read
+    stream = environ["wsgi.input"]
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        data = stream.read(min(piece, limit + 1 - total))
+        if not data:
+            return b"".join(parts)
+        total += len(data)
+        if total > limit:
+            raise BodyTooLarge(limit)
+        parts.append(data)

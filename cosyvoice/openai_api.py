@@ -131,11 +131,17 @@ def http_error(err: HTTPException, settings: Settings):
     if not request.path.startswith(PREFIX + "/"):
         return err
     if isinstance(err, RequestEntityTooLarge):
-        return ApiError(413, f"the upload is larger than {settings.max_upload_mb} MB",
-                        param="file", code="file_too_large").response()
+        response = ApiError(413, f"the upload is larger than {settings.max_upload_mb} MB",
+                            param="file", code="file_too_large").response()
+        response.headers["Connection"] = "close"  # the rest of the body is not read
+        return response
     status = err.code or 400
-    return ApiError(status, err.description or err.name,
-                    "invalid_request_error" if status < 500 else "server_error").response()
+    response = ApiError(status, err.description or err.name,
+                        "invalid_request_error" if status < 500 else "server_error").response()
+    for name, value in err.get_headers():  # a 405's Allow, as RFC 9110 asks
+        if name.lower() != "content-type":
+            response.headers[name] = value
+    return response
 
 
 def authorize(gateway: Gateway) -> str:

@@ -46,6 +46,7 @@ from .languages import joined_piece
 from .limits import ENDPOINT_MS, MAX_PROMPT_CHARS, parse_auth
 from .openai_api import ApiError
 from .outputs import SessionsOutput
+from .wsframes import MESSAGE_LIMITS, ON_TOO_BIG
 from .wshandler import PRECHECKS, SUBPROTOCOLS, Refusal, close_ws
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 PATH = "/v1/realtime"
 RATE = 24000  # the Realtime API's PCM rate
 CHUNK_BYTES = RATE * 2 * CHUNK_MS // 1000
-MAX_EVENT_CHARS = 2 * 1024 * 1024  # one event's JSON text (about 1.5 MB of audio)
 MIN_COMMIT_MS = 100  # OpenAI's: a commit of less audio is an error
 DEFAULT_SILENCE_MS = 500  # server_vad's default silence_duration_ms
 KEY_PROTOCOL = "openai-insecure-api-key."  # a browser's key, as a subprotocol
@@ -62,6 +62,7 @@ KEY_PROTOCOL = "openai-insecure-api-key."  # a browser's key, as a subprotocol
 def install(app: Flask, gateway: Gateway) -> None:
     PRECHECKS[PATH] = lambda environ: precheck(gateway, environ)
     SUBPROTOCOLS[PATH] = ("realtime",)
+    MESSAGE_LIMITS[PATH] = gateway.settings.max_message_kb_realtime * 1024
     # Werkzeug matches a WebSocket request only to a rule that says it is one; the plain
     # GET answers 426
     app.add_url_rule(PATH, "openai_realtime", lambda: connect(gateway), websocket=True)
@@ -230,6 +231,9 @@ class Realtime:
         if expired:
             self.error("the session expired; a new one was started", "session_expired",
                        param="session")
+        # an event over the limit: this error, then wsframes closes 1009 unread
+        self.ws.environ[ON_TOO_BIG] = lambda limit: self.error(
+            f"an event is at most {limit} bytes", "event_too_large")
         relay = gevent.spawn(self.relay)
         if self.segment is not None:
             self.gateway.relay.replay(self.segment.conn.session)  # what the client missed
@@ -335,9 +339,6 @@ class Realtime:
     def handle(self, frame: str | bytes) -> None:
         if not isinstance(frame, str):
             self.error("events are JSON text frames", "invalid_event")
-            return
-        if len(frame) > MAX_EVENT_CHARS:
-            self.error(f"an event is at most {MAX_EVENT_CHARS} characters", "event_too_large")
             return
         try:
             event = json.loads(frame)

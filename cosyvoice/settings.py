@@ -230,6 +230,15 @@ class Settings:
     # The largest upload POST /v1/audio/transcriptions takes (OpenAI's limit: 25 MB);
     # larger ones are answered 413 (docs/openai.md).
     max_upload_mb: int = 25
+    # The largest WebSocket message (one frame, or a frame and its continuations) each raw
+    # WebSocket face reads, in KiB: a frame whose header announces more is refused with
+    # close 1009 before its payload is read (cosyvoice/wsframes.py, docs/security.md). An
+    # OpenAI Realtime event (a 100 ms append is 6.4 KB of base64) ...
+    max_message_kb_realtime: int = 1024
+    # ... and a Deepgram /v1/listen frame (250 ms of 48 kHz stereo float audio is 96 KB).
+    # Socket.IO's follows COSYVOICE_MAX_CHUNK_MS (the largest chunk, its envelope and the
+    # auth) and HTTP bodies COSYVOICE_MAX_UPLOAD_MB.
+    max_message_kb_listen: int = 1024
     # Logging level of every process.
     log_level: str = "INFO"
 
@@ -401,6 +410,8 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "idle_timeout_s": _at_least(0),
     "listen_idle_timeout_s": _at_least(0),
     "max_upload_mb": _at_least(1),
+    "max_message_kb_realtime": _at_least(16),
+    "max_message_kb_listen": _at_least(16),
     "log_level": (is_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
 }
 

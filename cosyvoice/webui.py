@@ -20,9 +20,10 @@ from flask import Flask, jsonify, send_from_directory
 from flask_socketio import SocketIO
 
 from . import bus as busmod
-from . import debug_mem, fastws, probes
+from . import debug_mem, fastws, openapi, probes, wsframes
 from .gateway import Gateway, session_limits
 from .languages import WHISPER_LANGUAGES
+from .limits import MAX_AUTH_BYTES
 from .protocol import max_payload_bytes
 from .settings import Settings
 
@@ -45,6 +46,13 @@ def install_faces(app: Flask, gateway: Gateway, faces: Sequence[str]) -> None:
         getattr(importlib.import_module(module), function)(app, gateway)
 
 
+def socketio_message_limit(settings: Settings) -> int:
+    """The largest Socket.IO message (engine.io packet) the gateway reads: the largest chunk
+    ``COSYVOICE_MAX_CHUNK_MS`` allows in its envelope, or the connect packet's auth, with
+    room for the packet's own framing."""
+    return max(max_payload_bytes(settings.max_chunk_ms), MAX_AUTH_BYTES) + 1024
+
+
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None,
                relay_results: bool = True, faces: Sequence[str] = FACES) -> Flask:
     """The gateway's Flask app; its SocketIO server is ``app.extensions['socketio']``.
@@ -55,12 +63,16 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     """
     settings = settings or Settings.from_env()
     fastws.install()
+    wsframes.install()
+    # Socket.IO's messages: the largest chunk in its envelope, or the connect packet's auth
+    wsframes.MESSAGE_LIMITS["/socket.io/"] = socketio_message_limit(settings)
+    wsframes.MESSAGE_LIMITS[""] = wsframes.DEFAULT_LIMIT  # any other path
     app = Flask(__name__, static_folder=None)
     origins = [o.strip() for o in settings.allowed_origins.split(",") if o.strip()] or None
     socketio = SocketIO(
         app, async_mode="gevent", transports=["websocket"], always_connect=False,
         cors_allowed_origins=origins,
-        max_http_buffer_size=max_payload_bytes(settings.max_chunk_ms) + 1024,
+        max_http_buffer_size=socketio_message_limit(settings),
         ping_interval=25, ping_timeout=20,
         # Each connection's events run in order in its own reader greenlet instead of a
         # new greenlet per event: ~10 % less gateway CPU per chunk (docs/benchmarks.md).
@@ -80,6 +92,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
             app.wsgi_app, x_for=n, x_proto=n, x_host=n)
     app.extensions["cosyvoice"] = gateway
     probes.install(app, gateway)
+    openapi.install(app, gateway)
     install_faces(app, gateway, faces)
     install_page(app, settings, gateway)
     debug_mem.start("gateway")

@@ -87,8 +87,18 @@ def test_partials_arrive_before_final_then_end(transcripts, name):
     _engine, runs = transcripts
     events = [(e, d) for _t, e, d in runs[name].events if e in ("text", "end")]
     kinds = [d["type"] if e == "text" else "end" for e, d in events]
-    assert "partial" in kinds
-    assert kinds.index("partial") < kinds.index("final")
+    # What the service promises: every partial of an utterance comes before its final, and
+    # the session closes with its last final, then end. It does not promise a partial for
+    # each short clip among twelve at once: under load partials give way to finals (an
+    # utterance's final drops its partial still waiting, docs/engines.md "Partials under
+    # load"), so a 2 s sentence on a busy host may have none. That partials arrive is
+    # checked where one session speaks (test_turns, test_whisper).
+    assert "final" in kinds
+    texts = [d for e, d in events if e == "text"]
+    for i, partial in enumerate(texts):
+        if partial["type"] == "partial":
+            assert not any(d["type"] == "final" and d["utterance"] == partial["utterance"]
+                           for d in texts[:i]), kinds
     assert kinds[-1] == "end" and kinds[-2] == "final"
     final = runs[name].finals[-1]
     assert final["words"], "finals carry word times"
