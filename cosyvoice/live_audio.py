@@ -78,7 +78,10 @@ class RawInput:
             self._codec.layout = av.AudioLayout(f"{channels}c")
 
     def _pcm(self, data: bytes) -> bytes:
-        if self._codec is None:
+        if self._codec is None or not data:
+            # an empty packet would tell the G.711 decoder the stream ended: its next
+            # packet then raised EOFError (a Finalize, or a frame shorter than one sample of
+            # every channel, then more audio, broke a mulaw/alaw connection)
             return data
         import av
 
