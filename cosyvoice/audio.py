@@ -8,14 +8,17 @@ to 16 kHz mono with FFmpeg's resampler (channels are mixed down).
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 
 from .codecs import split_chunks
 
-__all__ = ["AudioFileError", "read_audio", "read_channels", "split_chunks"]
+__all__ = ["AudioFileError", "off_the_loop", "read_audio", "read_channels", "split_chunks"]
+
+T = TypeVar("T")
 
 MAX_CHANNELS = 8  # the most channels read apart (a file's further channels are left out)
 
@@ -99,3 +102,23 @@ def _open(source: str | Path | BinaryIO | bytes):
 
 def _not_audio(name: str | Path, exc: Exception) -> str:
     return f"{name} is not an audio file this tool can decode ({exc.__class__.__name__})"
+
+
+def off_the_loop(func: Callable[..., T], *args: Any) -> T:
+    """``func(*args)`` in gevent's thread pool (PyAV releases the GIL: the gateway's other
+    greenlets go on meanwhile). Its exception is raised here, in the caller, and only
+    here: gevent's hub prints the traceback of a pool task that raises, so every upload
+    that is not audio wrote one to the log."""
+    import gevent
+
+    def run() -> tuple[Any, BaseException | None]:
+        try:
+            return func(*args), None
+        except Exception as exc:  # noqa: BLE001 - handed to the caller as it is
+            return None, exc
+
+    result, error = gevent.get_hub().threadpool.apply(run)
+    if error is not None:
+        raise error
+    return result
+

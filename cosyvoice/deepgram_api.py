@@ -54,11 +54,19 @@ from geventwebsocket.exceptions import WebSocketError
 
 from . import metrics, speakers
 from .apikeys import ANONYMOUS
+from .audio import off_the_loop
 from .codecs import CHUNK_MS
 from .errors import CosyvoiceError, Overloaded, RateLimited, Unauthorized, Unavailable
 from .files import IDLE_S, FileSession
 from .gateway import Connection, Gateway
-from .limits import ENDPOINT_MS, MAX_PROMPT_CHARS, BodyTooLarge, parse_auth, read_body
+from .limits import (
+    ENDPOINT_MS,
+    MAX_PROMPT_CHARS,
+    BadBody,
+    BodyTooLarge,
+    parse_auth,
+    read_body,
+)
 from .live_audio import (
     MAX_CHANNELS,
     RAW_ENCODINGS,
@@ -105,7 +113,7 @@ class ListenError(Exception):
                   503: "Service Unavailable"}.get(self.status, "Error")
         body = json.dumps({"err_code": self.code, "err_msg": self.message,
                            "request_id": request_id}).encode()
-        headers = [("Content-Type", "application/json"), ("dg-error", self.message[:200]),
+        headers = [("Content-Type", "application/json"), ("dg-error", header_text(self.message)),
                    ("dg-request-id", request_id)]
         if self.status == 413:  # the rest of the body is not read: this connection ends
             headers.append(("Connection", "close"))
@@ -119,13 +127,22 @@ class ListenError(Exception):
         return Response(body, status=int(status[:3]), headers=headers)
 
 
+def header_text(message: str, limit: int = 200) -> str:
+    """``message`` as an HTTP header value: printable ASCII, anything else escaped (the
+    message may echo what the client sent; gevent refuses a header that is not Latin-1,
+    and a line break would end the header)."""
+    text = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii")
+                   for c in message)
+    return text[:limit]
+
+
 def from_cosyvoice(err: CosyvoiceError) -> ListenError:
     if isinstance(err, Unauthorized):
         return ListenError(401, "INVALID_AUTH", err.msg)
     if isinstance(err, Overloaded):
         return ListenError(429, "TOO_MANY_REQUESTS", err.msg, err.retry_after_ms)
     if isinstance(err, RateLimited):
-        return ListenError(429, "TOO_MANY_REQUESTS", err.msg, 1000)
+        return ListenError(429, "TOO_MANY_REQUESTS", err.msg, err.retry_after_ms or 1000)
     if isinstance(err, Unavailable):
         return ListenError(503, "SERVICE_UNAVAILABLE", err.msg, 1000)
     return ListenError(400, "Bad Request", err.msg)
@@ -932,13 +949,15 @@ def prerecorded(gateway: Gateway, request_id: str):
     limit = gateway.settings.max_upload_mb * 1024 * 1024
     try:
         body = read_body(request.environ, limit)
+    except BadBody as err:
+        raise ListenError(400, "Bad Request", str(err)) from None
     except BodyTooLarge:
         raise ListenError(413, "PAYLOAD_TOO_LARGE", f"the recording is larger than "
                           f"{gateway.settings.max_upload_mb} MB "
                           f"(COSYVOICE_MAX_UPLOAD_MB)") from None
     if not body:
         raise ListenError(400, "Bad Request", "the request body holds no audio")
-    streams, rate = gevent.get_hub().threadpool.apply(decode_recording, (body, params))
+    streams, rate = off_the_loop(decode_recording, body, params)
     if not any(streams):
         raise ListenError(400, "Bad Request", "the payload cannot be decoded as audio")
     if params.split:

@@ -64,6 +64,16 @@ class BadPacket(CosyvoiceError):
 class RateLimited(CosyvoiceError):
     code = "rate_limited"
 
+    def __init__(self, msg: str, seq: int | None = None, retry_after_ms: int | None = None):
+        super().__init__(msg, seq)
+        self.retry_after_ms = retry_after_ms
+
+    def to_wire(self) -> dict:
+        data = super().to_wire()
+        if self.retry_after_ms is not None:
+            data["retry_after_ms"] = self.retry_after_ms
+        return data
+
 
 class Overloaded(CosyvoiceError):
     code = "overloaded"

@@ -235,7 +235,7 @@ class Gateway:
             conn = self._resume(req, socket_id, notices) if req.session else None
             resumed = conn is not None
             if conn is None:
-                conn = self.open_session(req, socket_id)
+                conn = self.open_session(req, socket_id, subject=subject)
             conn.subject = subject
             conn.request = req
             conn.codec, conn.bitrate = self._codec(req)
@@ -331,11 +331,15 @@ class Gateway:
         session = secrets.token_hex(12)
         if client is None:
             client = request.remote_addr or ""
+        # one client: its key or token subject where the gateway asks for one, else its
+        # address (behind COSYVOICE_TRUSTED_PROXIES)
+        if subject != ANONYMOUS:
+            client = "key:" + subject
         hold_s = self.settings.max_session_s + self.settings.session_grace_s
-        if not self.bus.claim_client_slot(client, session, self.settings.max_sessions_per_client,
-                                          hold_s):
-            raise RateLimited(f"this address already holds "
-                              f"{self.settings.max_sessions_per_client} sessions")
+        limit, why = self._client_limit()
+        if not self.bus.claim_client_slot(client, session, limit, hold_s):
+            raise RateLimited(f"this client already holds {limit} sessions: {why}",
+                              retry_after_ms=self.settings.overload_retry_ms)
         try:
             self.bus.create_session(session, rate, conn=conn_id, client=client, mode=mode,
                                     options=options)
@@ -361,6 +365,22 @@ class Gateway:
         self.held.add(session)
         return Connection(session=session, rate=rate, conn_id=conn_id, client=client,
                           bucket=self._bucket(), mode=mode, options=options, subject=subject)
+
+    def _client_limit(self) -> tuple[int, str]:
+        """The most sessions one client may hold (0: any number), and which limit it is:
+        ``COSYVOICE_MAX_SESSIONS_PER_CLIENT``, or its share of the live workers' capacity
+        (``COSYVOICE_CLIENT_SHARE``; at least one session), the smaller."""
+        fixed = self.settings.max_sessions_per_client
+        share = self.settings.client_share
+        if share >= 1:
+            return fixed, "COSYVOICE_MAX_SESSIONS_PER_CLIENT"
+        _workers, open_sessions, capacity = load.totals(self.bus)
+        shared = max(1, int(share * capacity))
+        if (fixed and fixed <= shared) or open_sessions >= capacity:
+            # a full service refuses everyone alike: admission's overloaded says so
+            return fixed, "COSYVOICE_MAX_SESSIONS_PER_CLIENT"
+        return shared, (f"its share ({share:.0%}) of the service's capacity of {capacity} "
+                        f"(COSYVOICE_CLIENT_SHARE)")
 
     def _retry_after_ms(self, admission: busmod.Admission) -> int:
         """A refused client's wait: its place behind the open sessions over the capacity,

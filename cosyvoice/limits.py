@@ -195,11 +195,16 @@ class BodyTooLarge(Exception):
         self.limit = limit
 
 
+class BadBody(Exception):
+    """A request body that could not be read (a bad chunk, a connection cut mid-body)."""
+
+
 def read_body(environ: dict, limit: int, piece: int = 64 * 1024) -> bytes:
     """A request's whole body, counted as it streams (chunked or with a Content-Length):
     ``BodyTooLarge`` as soon as it passes ``limit`` bytes, never a body cut short at the
     limit (Werkzeug's ``get_data`` under ``MAX_CONTENT_LENGTH`` stops at the limit and
-    answers the first ``limit`` bytes of a chunked body as if they were all of it)."""
+    answers the first ``limit`` bytes of a chunked body as if they were all of it);
+    ``BadBody`` for a body that cannot be read."""
     announced = environ.get("CONTENT_LENGTH") or ""
     if announced.isdigit() and int(announced) > limit:
         raise BodyTooLarge(limit)  # nothing of it is read
@@ -207,7 +212,10 @@ def read_body(environ: dict, limit: int, piece: int = 64 * 1024) -> bytes:
     parts: list[bytes] = []
     total = 0
     while True:
-        data = stream.read(min(piece, limit + 1 - total))
+        try:
+            data = stream.read(min(piece, limit + 1 - total))
+        except (OSError, ValueError) as exc:  # a chunked body cut short or malformed
+            raise BadBody(f"the request body is malformed: {exc}"[:200]) from None
         if not data:
             return b"".join(parts)
         total += len(data)

@@ -147,7 +147,16 @@ class ContainerInput:
 
         view = memoryview(data)
         while view and self._in_w >= 0:
-            n = nb_write(self._in_w, view)
+            try:
+                n = nb_write(self._in_w, view)
+            except BrokenPipeError:
+                # the decoder stopped (it read the stream's end, or found it is not audio
+                # and said so: ``read`` raises that): what comes after is dropped. Before,
+                # the broken pipe escaped to the connection (found by tests/system/
+                # test_fuzz.py: garbage, then more frames)
+                os.close(self._in_w)
+                self._in_w = -1
+                return
             view = view[n:]
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -21,12 +21,11 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
-import gevent
 from flask import Flask, Response, jsonify, request, stream_with_context
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from . import speakers, subtitles
-from .audio import AudioFileError, read_audio
+from .audio import AudioFileError, off_the_loop, read_audio
 from .errors import (
     CosyvoiceError,
     Overloaded,
@@ -88,7 +87,7 @@ def from_cosyvoice(err: CosyvoiceError, param: str | None = None) -> ApiError:
                         retry_after_ms=err.retry_after_ms)
     if isinstance(err, RateLimited):
         return ApiError(429, err.msg, "rate_limit_error", code="rate_limit_exceeded",
-                        retry_after_ms=1000)
+                        retry_after_ms=err.retry_after_ms or 1000)
     if isinstance(err, (UnsupportedLanguage, UnsupportedMode)):
         return ApiError(400, err.msg, param=param, code=err.code)
     if isinstance(err, Unavailable):
@@ -219,8 +218,12 @@ class Request:
 
     @classmethod
     def parse(cls, gateway: Gateway) -> Request:
-        form, ask = request.form, cls()
-        part = request.files.get("file")
+        try:
+            form, files = request.form, request.files
+        except (OSError, ValueError) as exc:  # a chunked body cut short or malformed
+            raise ApiError(400, f"the request body is malformed: {exc}"[:200]) from None
+        ask = cls()
+        part = files.get("file")
         if part is None:
             raise ApiError(400, "the file part is missing: upload the audio as 'file'",
                            param="file")
@@ -262,7 +265,7 @@ def decode_upload(data: bytes) -> tuple[bytes, int]:
     """16 kHz mono PCM of an upload, decoded in the hub's thread pool (PyAV releases the
     GIL: the gateway's other greenlets go on meanwhile); 400 for what is not audio."""
     try:
-        pcm, rate = gevent.get_hub().threadpool.apply(read_audio, (io.BytesIO(data),))
+        pcm, rate = off_the_loop(read_audio, io.BytesIO(data))
     except AudioFileError as exc:
         message = str(exc).replace("standard input", "the upload")
         raise ApiError(400, message, param="file", code="invalid_audio") from None

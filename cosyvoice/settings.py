@@ -214,6 +214,10 @@ class Settings:
     max_session_s: float = 14400.0
     # Concurrent sessions one client address may hold (0 = unlimited).
     max_sessions_per_client: int = 20
+    # The largest share of the live workers' capacity one client (its API key or token
+    # subject, else its address) may hold at once, at least one session; 1 turns it off.
+    # Half: no one client takes every worker (docs/security.md, "Fair share").
+    client_share: float = 0.5
     # Proxies in front of the gateway whose X-Forwarded-For is trusted (nginx: 1).
     trusted_proxies: int = 0
     # Sessions whose audio stream saw no new entry for this long are deleted by the sweeper.
@@ -404,6 +408,7 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "rate_limit_burst_s": _at_least(0),
     "max_session_s": _more_than(0),
     "max_sessions_per_client": _at_least(0),
+    "client_share": ((lambda v: 0 < v <= 1), "a fraction above 0, at most 1"),
     "trusted_proxies": _at_least(0),
     "sweep_idle_s": _more_than(0),
     "overload_retry_ms": _at_least(0),

@@ -11,6 +11,7 @@ the same sessions, with an output of their own: cosyvoice/outputs.py) are instal
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import redis
 from flask import Flask, jsonify, send_from_directory
 from flask_socketio import SocketIO
+from socketio import packet as socketio_packet
 
 from . import bus as busmod
 from . import debug_mem, fastws, openapi, probes, wsframes
@@ -27,6 +29,7 @@ from .limits import MAX_AUTH_BYTES
 from .protocol import max_payload_bytes
 from .settings import Settings
 
+log = logging.getLogger("cosyvoice.gateway")
 STATIC_DIR = Path(__file__).parent / "static"
 CONTENT_SECURITY_POLICY = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -44,6 +47,49 @@ def install_faces(app: Flask, gateway: Gateway, faces: Sequence[str]) -> None:
     for face in faces:
         module, _, function = face.partition(":")
         getattr(importlib.import_module(module), function)(app, gateway)
+
+
+class MalformedPacket(ValueError):
+    """A Socket.IO packet that does not parse."""
+
+
+class CheckedPacket(socketio_packet.Packet):
+    """python-socketio's packet, whose parse errors are ``MalformedPacket``: told apart from
+    a handler's own errors, a client's garbage closes its connection with one log line
+    (``guard_packets``) instead of an ERROR with a traceback for every bad packet."""
+
+    def decode(self, encoded_packet):
+        try:
+            return super().decode(encoded_packet)
+        except Exception as exc:  # noqa: BLE001 - whatever the parser tripped on
+            raise MalformedPacket(f"{type(exc).__name__}: {exc}"[:200]) from None
+
+    def add_attachment(self, attachment):
+        try:
+            return super().add_attachment(attachment)
+        except Exception as exc:  # noqa: BLE001 - a placeholder that names nothing
+            raise MalformedPacket(f"{type(exc).__name__}: {exc}"[:200]) from None
+
+
+def guard_packets(server) -> None:
+    """A malformed packet ends its connection (logged as a warning, once)."""
+    eio = server.eio
+    dispatch = eio.handlers["message"]
+
+    def message(eio_sid, data):
+        try:
+            return dispatch(eio_sid, data)
+        except ValueError as exc:
+            # python-socketio's own word for a binary packet before the namespace's
+            # connect; anything else is a handler's error and goes on up
+            if not (isinstance(exc, MalformedPacket) or str(exc) == "Unexpected binary packet"):
+                raise
+            log.warning("malformed Socket.IO packet, connection closed: %s", exc)
+            server._binary_packet.pop(eio_sid, None)
+            eio.disconnect(eio_sid)
+            return None
+
+    eio.on("message", message)
 
 
 def socketio_message_limit(settings: Settings) -> int:
@@ -77,7 +123,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         # Each connection's events run in order in its own reader greenlet instead of a
         # new greenlet per event: ~10 % less gateway CPU per chunk (docs/benchmarks.md).
         # The longest a handler waits is a Redis round trip, bounded by its timeout.
-        async_handlers=False)
+        async_handlers=False, serializer=CheckedPacket)
+    guard_packets(socketio.server)
     client = client or busmod.connect(settings.redis_url or "redis://127.0.0.1:6379/0",
                                       settings.redis_max_connections,
                                       cluster=settings.redis_cluster,

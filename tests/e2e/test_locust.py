@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ..helpers import ROOT
+from .. import launcher
+from ..helpers import ROOT, TEST_ENV
 from ..netfault import CuttableProxy
 
 pytestmark = pytest.mark.e2e
@@ -20,6 +21,18 @@ MEASURES = ("connect", "ack", "chunk->partial", "last->final")
 # every user's first session counts. The default speech set also holds 21 s and 26 s
 # recordings, and a run whose users all drew those ended with no session finished.
 SHORT_SPEECH = ("weather", "coffee", "meeting", "call")
+
+
+@pytest.fixture(scope="module")
+def service(module_redis, artifacts):
+    """The service under load, with a fixed capacity (``COSYVOICE_WORKER_CAPACITY``, the
+    engine's): these tests are of Locust's reports, and admission that follows measured cost
+    may refuse a third user as overloaded on a slow or busy host (a refusal Locust counts
+    as a failure; tests/system/test_admission.py is where admission is tested)."""
+    svc = launcher.start_service(module_redis.url, processes=2, capacity=6, env=TEST_ENV,
+                                 logs=artifacts, name="locust")
+    yield svc
+    svc.stop()
 
 
 def short_speech(directory: Path) -> str:

@@ -34,8 +34,12 @@ GA: dict[str, Any] = {"type": "transcription", "audio": {"input": {
 
 @pytest.fixture(scope="module")
 def face(module_redis, artifacts):
-    svc = launcher.start_service(module_redis.url, processes=1, env=ENV, logs=artifacts,
-                                 name="realtime")
+    # The capacity is fixed (COSYVOICE_WORKER_CAPACITY), as for the Deepgram face: these
+    # tests are of the face, and admission that follows measured cost lowered the process to
+    # two sessions on a busy host, where a test's session was refused behind the earlier
+    # tests' sessions still in their grace period (close 1013).
+    svc = launcher.start_service(module_redis.url, processes=1, capacity=6, env=ENV,
+                                 logs=artifacts, name="realtime")
     yield svc
     svc.stop()
 

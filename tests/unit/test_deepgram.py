@@ -9,6 +9,8 @@ from urllib.parse import parse_qs
 
 import numpy as np
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from cosyvoice.audio import read_audio
 from cosyvoice.deepgram_api import ListenError, Params, alternative, credential, plain
@@ -144,6 +146,21 @@ def test_a_container_stream_decodes_as_it_arrives_and_garbage_is_told_early():
     bad = ContainerInput(split=False)
     bad.write(garbage)  # no end: FFmpeg gives up within its first 32 KB
     assert bad.wait(10.0)
+    # the decoder has stopped: more frames are dropped, not a broken pipe (found by the
+    # end-to-end fuzz: the error escaped to the connection)
+    for _ in range(8):
+        bad.write(garbage)
     with pytest.raises(BadAudio):
         bad.read()
     bad.close()
+
+
+@given(message=st.text(max_size=300))
+# found by schemathesis (tests/system/test_openapi.py): a language outside Latin-1 echoed in
+# the dg-error header made gevent refuse the response, a 500
+@example(message="language '\U000122c3\x14' is not offered on this server")
+def test_a_refusal_header_is_one_line_of_latin_1_whatever_the_message(message):
+    _status, headers, _body = ListenError(400, "Bad Request", message).refusal("id")
+    for _name, value in headers:
+        value.encode("latin-1")
+        assert "\r" not in value and "\n" not in value
