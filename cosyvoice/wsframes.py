@@ -18,13 +18,14 @@ Control frames stay at RFC 6455's 125 bytes, as gevent-websocket already checks.
 from __future__ import annotations
 
 import socket
-import struct
 from collections.abc import Callable
 from socket import error as socket_error
 
 import gevent
 from geventwebsocket.exceptions import ProtocolError, WebSocketError
 from geventwebsocket.websocket import Header, WebSocket
+
+from .wshandler import close_ws
 
 # path -> the most bytes one message may hold there (the longest matching prefix wins)
 MESSAGE_LIMITS: dict[str, int] = {}
@@ -151,16 +152,12 @@ def refuse(ws: WebSocket, limit: int) -> None:
             said(limit)
         except Exception:  # noqa: BLE001 - the close below is what matters
             pass
-    if ws.closed:
-        return
-    reason = f"message too big: at most {limit} bytes".encode()[:123]
+    if not ws.closed:  # the face may have closed it itself, with its own reason
+        close_ws(ws, CLOSE_TOO_BIG, f"message too big: at most {limit} bytes")
     try:
-        ws.send_frame(struct.pack("!H", CLOSE_TOO_BIG) + reason, opcode=ws.OPCODE_CLOSE)
         linger(ws.handler.socket)
-    except Exception:  # noqa: BLE001 - the peer is gone: nothing to tell it
-        pass
-    finally:
-        ws.closed = True
+    except OSError:
+        pass  # the peer is gone: nothing more to drop
 
 
 def linger(sock, budget: int = LINGER_BYTES, seconds: float = LINGER_S) -> None:
