@@ -38,9 +38,8 @@ import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.stack import Stack, fixture_names, percentile, read_fixture  # noqa: E402
+from benchmarks.stack import Stack, last_to_final, percentile  # noqa: E402
 from cosyvoice.apikeys import digest  # noqa: E402
-from cosyvoice.client import StreamingClient  # noqa: E402
 
 FACES = {"socketio": "/socket.io/?EIO=4&transport=websocket",
          "realtime": "/v1/realtime?intent=transcription",
@@ -104,24 +103,6 @@ def slow_body(url: str, route: str, stop: threading.Event) -> None:
         pass
     finally:
         sock.close()
-
-
-def finals_latency_ms(url: str, utterances: int) -> list[float]:
-    """``last`` chunk ack -> final, one real-time session at a time."""
-    names = fixture_names()
-    out = []
-    for i in range(utterances):
-        c = StreamingClient(url, token=KEYS["victim"])
-        c.connect()
-        c.stream_pcm(read_fixture(names[i % len(names)]), 16000, pace="realtime")
-        assert c.wait_end(60), "no end"
-        last_seq = max(c.sent_at)
-        ack = next(t for t, e, d in c.result.events if e == "ack" and d.get("seq") == last_seq)
-        final = [t for t, e, d in c.result.events if e == "text" and d["type"] == "final"][-1]
-        out.append((final - ack) * 1000)
-        c.stop()
-        c.close()
-    return out
 
 
 def watch(url: str, pid: int, stop: threading.Event, out: dict) -> None:
@@ -191,7 +172,7 @@ def main() -> None:
     keys.write_text("".join(f"{name} {digest(key)}\n" for name, key in KEYS.items()))
     with Stack(processes=args.workers, env={"COSYVOICE_API_KEYS_FILE": str(keys)}) as stack:
         pid = stack.gateway.proc.pid
-        alone = finals_latency_ms(stack.url, args.utterances)
+        alone = last_to_final(stack.url, args.utterances, KEYS["victim"], timeout=60)
         before = gateway_rss_mb(pid)
         stop = threading.Event()
         watched: dict = {}
@@ -207,7 +188,7 @@ def main() -> None:
         for t in threads:
             t.start()
         try:
-            attacked = finals_latency_ms(stack.url, args.utterances)
+            attacked = last_to_final(stack.url, args.utterances, KEYS["victim"], timeout=60)
         finally:
             stop.set()
             for t in threads:

@@ -19,27 +19,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.stack import POCKETSPHINX, Stack, fixture_names, percentile, read_fixture  # noqa: E402
+from benchmarks.stack import (  # noqa: E402
+    POCKETSPHINX,
+    Stack,
+    fixture_names,
+    last_to_final,
+    percentile,
+    read_fixture,
+)
 from cosyvoice import bus as busmod  # noqa: E402
 from cosyvoice.client import StreamingClient, TranscribeError  # noqa: E402
-
-
-def last_to_final(url: str, n: int) -> list[float]:
-    names = fixture_names()
-    out = []
-    for i in range(n):
-        pcm = read_fixture(names[i % len(names)])
-        c = StreamingClient(url)
-        c.connect()
-        c.stream_pcm(pcm, 16000, pace="realtime")
-        assert c.wait_end(30), "no end"
-        last_seq = max(c.sent_at)
-        ack_t = next(t for t, e, d in c.result.events if e == "ack" and d.get("seq") == last_seq)
-        final_t = [t for t, e, d in c.result.events if e == "text" and d["type"] == "final"][-1]
-        out.append((final_t - ack_t) * 1000)
-        c.stop()
-        c.close()
-    return out
 
 
 def hammer(url: str, stop: threading.Event, counts: dict) -> None:

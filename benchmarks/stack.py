@@ -108,6 +108,29 @@ class Stack:
         self.close()
 
 
+def last_to_final(url: str, n: int, token: str | None = None,
+                  timeout: float = 30.0) -> list[float]:
+    """``last`` chunk ack -> final (ms) over ``n`` fixture utterances, one real-time session
+    at a time (``token``: the client's key)."""
+    from cosyvoice.client import StreamingClient
+
+    names = fixture_names()
+    out = []
+    for i in range(n):
+        pcm = read_fixture(names[i % len(names)])
+        c = StreamingClient(url, token=token)
+        c.connect()
+        c.stream_pcm(pcm, 16000, pace="realtime")
+        assert c.wait_end(timeout), "no end"
+        last_seq = max(c.sent_at)
+        ack_t = next(t for t, e, d in c.result.events if e == "ack" and d.get("seq") == last_seq)
+        final_t = [t for t, e, d in c.result.events if e == "text" and d["type"] == "final"][-1]
+        out.append((final_t - ack_t) * 1000)
+        c.stop()
+        c.close()
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     import numpy as np
     return float(np.percentile(values, q)) if values else float("nan")

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import wave
@@ -18,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import jiwer
 import pocketsphinx
+from hypothesis import strategies as st
 
 from cosyvoice import bus as busmod
 from cosyvoice import keys
 from cosyvoice.asr import load_model
 from cosyvoice.audio import split_chunks
+from cosyvoice.fastws import xor_mask
 from cosyvoice.messages import kind
 from cosyvoice.protocol import encode_chunk
 from cosyvoice.settings import Settings
@@ -333,3 +336,30 @@ def hogs(n: int) -> Iterator[None]:
         for p in procs:
             p.kill()
             p.wait(10)
+
+
+def ws_frame(opcode: int, payload: bytes = b"", fin: bool = True, rsv: int = 0,
+             length: int | None = None) -> bytes:
+    """A client's WebSocket frame, masked, as bytes for the socket; ``length`` (the length
+    its header announces) may lie about the payload: a header alone announces a frame that
+    never comes."""
+    n = len(payload) if length is None else length
+    first = (0x80 if fin else 0) | (rsv << 4) | opcode
+    if n < 126:
+        head = struct.pack("!BB", first, 0x80 | n)
+    elif n < 1 << 16:
+        head = struct.pack("!BBH", first, 0x80 | 126, n)
+    else:
+        head = struct.pack("!BBQ", first, 0x80 | 127, n)
+    key = os.urandom(4)
+    return head + key + bytes(xor_mask(payload, key, len(payload)))
+
+
+# Any JSON value, for the fuzzers of what clients send (auth, events, control messages)
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
+              st.text(max_size=30)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.text(max_size=12), inner, max_size=4)),
+    max_leaves=10)
+

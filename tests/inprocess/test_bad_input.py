@@ -27,6 +27,7 @@ from cosyvoice.settings import Settings
 from cosyvoice.webui import create_app
 
 from ..flask_client import open_test_client
+from ..helpers import json_values
 
 pytestmark = [pytest.mark.fast, pytest.mark.inprocess]
 
@@ -356,12 +357,6 @@ def test_fuzz_chunk_validator_only_raises_documented_errors(payload):
     assert chunk.codec == "pcm16" or (not chunk.pcm and chunk.sample_rate == 16000)
 
 
-json_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
-              st.text(max_size=30)),
-    lambda inner: st.one_of(st.lists(inner, max_size=3),
-                            st.dictionaries(st.text(max_size=10), inner, max_size=3)),
-    max_leaves=8)
 # A top-level number cannot be tested through the test client: its text encoding of the
 # CONNECT packet reads a leading number as an ack id. Raw frames like that are sent to the
 # real gateway in test_pipeline.py::test_garbage_frames_do_not_hurt_the_gateway.

@@ -25,6 +25,8 @@ from cosyvoice.errors import CosyvoiceError
 from cosyvoice.settings import Settings
 from cosyvoice.webui import create_app
 
+from ..helpers import json_values
+
 pytestmark = [pytest.mark.fast, pytest.mark.inprocess]
 
 FUZZ = settings(deadline=None,
@@ -68,12 +70,6 @@ class Recorder:
     OPCODE_CLOSE = 8
 
 
-json_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
-              st.text(max_size=20)),
-    lambda inner: st.one_of(st.lists(inner, max_size=3),
-                            st.dictionaries(st.text(max_size=12), inner, max_size=4)),
-    max_leaves=10)
 
 # ---- OpenAI Realtime ----------------------------------------------------------------------
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import random
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,10 +21,8 @@ import pytest
 import requests
 import websocket
 
-from cosyvoice.fastws import xor_mask
-
 from .. import launcher
-from ..helpers import TEST_ENV, read_pcm, wer, write_pcm_wav
+from ..helpers import TEST_ENV, read_pcm, wer, write_pcm_wav, ws_frame
 
 pytestmark = pytest.mark.system
 
@@ -55,21 +51,6 @@ def fuzzed(module_redis, artifacts, tmp_path_factory):
                                       "COSYVOICE_CLIENT_SHARE": "0.5"})  # the default
     yield svc
     svc.stop()
-
-
-def frame(opcode: int, payload: bytes, fin: bool = True, rsv: int = 0,
-          length: int | None = None) -> bytes:
-    """A client frame, masked; ``length`` may lie about the payload."""
-    n = len(payload) if length is None else length
-    first = (0x80 if fin else 0) | (rsv << 4) | opcode
-    if n < 126:
-        head = struct.pack("!BB", first, 0x80 | n)
-    elif n < 1 << 16:
-        head = struct.pack("!BBH", first, 0x80 | 126, n)
-    else:
-        head = struct.pack("!BBQ", first, 0x80 | 127, n)
-    key = os.urandom(4)
-    return head + key + bytes(xor_mask(payload, key, len(payload)))
 
 
 def valid_messages(path: str, rng: random.Random) -> list[tuple[int, bytes]]:
@@ -102,27 +83,27 @@ def mutate(opcode: int, payload: bytes, rng: random.Random) -> bytes:
         data = bytearray(payload or b"\0")
         for _ in range(rng.randint(1, 4)):
             data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-        return frame(opcode, bytes(data))
+        return ws_frame(opcode, bytes(data))
     if kind == 1:  # cut short
-        return frame(opcode, payload[:rng.randrange(len(payload) + 1)])
+        return ws_frame(opcode, payload[:rng.randrange(len(payload) + 1)])
     if kind == 2:  # random bytes as text or binary
-        return frame(rng.choice([1, 2]), rng.randbytes(rng.randrange(200)))
+        return ws_frame(rng.choice([1, 2]), rng.randbytes(rng.randrange(200)))
     if kind == 3:  # invalid UTF-8 in a text frame
-        return frame(1, payload + b"\xc3\x28")
+        return ws_frame(1, payload + b"\xc3\x28")
     if kind == 4:  # reserved bits, unknown opcodes
-        return frame(rng.choice([3, 4, 5, 11]), payload, rsv=rng.randrange(8))
+        return ws_frame(rng.choice([3, 4, 5, 11]), payload, rsv=rng.randrange(8))
     if kind == 5:  # fragmented, with a stray continuation
         half = len(payload) // 2
-        return frame(opcode, payload[:half], fin=False) + frame(0, payload[half:]) + \
-            frame(0, b"x")
+        return ws_frame(opcode, payload[:half], fin=False) + ws_frame(0, payload[half:]) + \
+            ws_frame(0, b"x")
     if kind == 6:  # a control frame over 125 bytes, a ping, a bad close
-        return rng.choice([frame(9, b"p" * 200), frame(9, b"ping"), frame(8, b"\x03"),
-                           frame(8, b"\x03\xe8\xff\xfe")])
+        return rng.choice([ws_frame(9, b"p" * 200), ws_frame(9, b"ping"), ws_frame(8, b"\x03"),
+                           ws_frame(8, b"\x03\xe8\xff\xfe")])
     if kind == 7:  # a header that announces more than is sent, then the connection ends
-        return frame(opcode, payload, length=len(payload) + rng.randint(1, 1 << 20))
+        return ws_frame(opcode, payload, length=len(payload) + rng.randint(1, 1 << 20))
     if kind == 8:  # a huge announced frame
-        return frame(2, b"", length=rng.choice([1 << 21, 1 << 30, (1 << 63) - 1]))
-    return frame(opcode, payload)  # as it was
+        return ws_frame(2, b"", length=rng.choice([1 << 21, 1 << 30, (1 << 63) - 1]))
+    return ws_frame(opcode, payload)  # as it was
 
 
 def fuzz_connection(url: str, path: str, seed: int) -> str:
@@ -138,7 +119,7 @@ def fuzz_connection(url: str, path: str, seed: int) -> str:
     assert ws.sock is not None
     try:
         for opcode, payload in valid_messages(path, rng):
-            data = mutate(opcode, payload, rng) if rng.random() < 0.5 else frame(opcode, payload)
+            data = mutate(opcode, payload, rng) if rng.random() < 0.5 else ws_frame(opcode, payload)
             ws.sock.sendall(data)
         ws.sock.settimeout(1)
         deadline = time.monotonic() + 1.5

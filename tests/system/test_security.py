@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import select
 import socket
 import struct
@@ -17,10 +16,10 @@ import requests
 import websocket
 
 from cosyvoice.client import StreamingClient
-from cosyvoice.fastws import xor_mask
 from cosyvoice.settings import Settings
 from cosyvoice.webui import socketio_message_limit
 
+from ..helpers import ws_frame
 from ..launcher import wait_for
 
 pytestmark = pytest.mark.system
@@ -35,23 +34,6 @@ FACES = {
     "/v1/listen?encoding=linear16&sample_rate=48000": SETTINGS.max_message_kb_listen * KB,
 }
 IDS = ["socketio", "realtime", "listen"]
-
-
-def frame_header(opcode: int, length: int, fin: bool = True) -> tuple[bytes, bytes]:
-    """A client's (masked) frame header announcing ``length`` bytes, and its mask key."""
-    first = (0x80 if fin else 0) | opcode
-    if length < 126:
-        head = struct.pack("!BB", first, 0x80 | length)
-    elif length < 1 << 16:
-        head = struct.pack("!BBH", first, 0x80 | 126, length)
-    else:
-        head = struct.pack("!BBQ", first, 0x80 | 127, length)
-    key = os.urandom(4)
-    return head + key, key
-
-
-def masked(payload: bytes, key: bytes) -> bytes:
-    return bytes(xor_mask(payload, key, len(payload)))
 
 
 def connect(service, path: str) -> websocket.WebSocket:
@@ -90,7 +72,7 @@ def test_a_300_mb_frame_is_refused_with_1009_before_its_payload_is_read(service,
     limit = FACES[path]
     before = rss_mb(service)
     ws = connect(service, path)
-    head, key = frame_header(websocket.ABNF.OPCODE_BINARY, 300 * 2**20)
+    head = ws_frame(websocket.ABNF.OPCODE_BINARY, length=300 * 2**20)
     send_raw(ws, head)  # the header alone: a server that waits for the payload hangs
     texts, code, reason = read_until_close(ws)
     assert code == 1009, (code, reason, texts)
@@ -122,9 +104,8 @@ def test_continuation_frames_count_toward_the_message(service, path):
     limit = FACES[path]
     ws = connect(service, path)
     half = limit // 2
-    head, key = frame_header(websocket.ABNF.OPCODE_BINARY, half, fin=False)
-    send_raw(ws, head + masked(b"\0" * half, key))
-    head, key = frame_header(websocket.ABNF.OPCODE_CONT, limit - half + 1)
+    send_raw(ws, ws_frame(websocket.ABNF.OPCODE_BINARY, b"\0" * half, fin=False))
+    head = ws_frame(websocket.ABNF.OPCODE_CONT, length=limit - half + 1)
     send_raw(ws, head)
     _texts, code, _reason = read_until_close(ws)
     assert code == 1009
