@@ -155,8 +155,10 @@ def test_a_killed_worker_is_taken_over_without_duplicate_finals(fresh_redis, fre
         wait_for(lambda: ended(client, "kt"), timeout=30)
         finals = [r for r in results(client, "kt") if r["type"] == "final"]
         assert _strip_seq(finals) == _strip_seq(reference)
-        new_owner_took_it = client.xpending(keys.SESSIONS, keys.WORKER_GROUP)["pending"] == 0
-        assert new_owner_took_it
+        # the new owner acknowledges the announcement after it publishes the end
+        # (worker._finish), so "end" may be read a moment before the acknowledgement
+        wait_for(lambda: client.xpending(keys.SESSIONS, keys.WORKER_GROUP)["pending"] == 0,
+                 timeout=10)
     finally:
         for w in workers:
             terminate(w)
