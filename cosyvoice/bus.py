@@ -437,12 +437,17 @@ class Bus:
         return bool(self.r.set(lease_key(sid), worker_id, nx=True, px=ttl_ms))
 
     def renew_leases(self, sids: list[str], worker_id: str, ttl_ms: int) -> dict[str, int]:
-        """Renew every lease in one round trip; 1 kept, 0 lost, -1 session gone."""
+        """Renew every lease in one round trip; 1 kept, 2 kept and the session's client
+        gone (its grace period), 0 lost, -1 session gone."""
         if not sids:
             return {}
         replies = self._evalsha_pipelined(self._renew, [
             ([lease_key(sid), session_key(sid)], [worker_id, ttl_ms]) for sid in sids])
         return {sid: int(_raised(r)) for sid, r in zip(sids, replies, strict=True)}
+
+    def client_gone(self, sid: str) -> bool:
+        """The session's keys expire: its client left (the grace period), or it ended."""
+        return int(self.r.pttl(session_key(sid))) > 0
 
     def release_lease(self, sid: str, worker_id: str) -> None:
         self._release(keys=[lease_key(sid)], args=[worker_id])

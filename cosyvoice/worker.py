@@ -90,6 +90,8 @@ class OwnedSession:
     # what it keeps for speaker labels, where it asked for them (cosyvoice/speakers.py)
     speakers: speakers.SessionSpeakers | None = None
     ended: bool = False  # ``last`` consumed: nothing more to read, the end is pending
+    # its client is gone (the grace period): decoded after the connected sessions' work
+    away: bool = False
 
 
 class Worker:
@@ -110,6 +112,8 @@ class Worker:
         self._next_sweep = time.monotonic() + sweeper.SWEEP_INTERVAL_S * 0.5
         self._last_round = 0.0
         self._newest_announcement = "0-0"
+        # the connected sessions were caught up last round: the away ones are read too
+        self._spare = True
         # Announcements this worker claimed from a dead owner whose lease had not lapsed
         # yet (the lease can outlive the announcement's idle time by one renewal): taken
         # again every lease renewal until it lapses (``_retry_unleased``)
@@ -185,16 +189,36 @@ class Worker:
             self._claim(now, free)
         waiting = self._publish_finals()
         if self.sessions:
-            positions = {sid: s.position for sid, s in self.sessions.items() if not s.ended}
+            positions = {sid: s.position for sid, s in self.sessions.items()
+                         if not s.ended and (self._spare or not s.away)}
             if positions:
                 block = FINALS_BLOCK_MS if waiting else READ_BLOCK_MS
-                batch = self.bus.read_audio(positions, READ_COUNT, block)
-                for sid, entries in batch.items():
-                    self._decode_guarded(sid, entries)
-            elif waiting:
-                time.sleep(FINALS_BLOCK_MS / 1000)
+                self._decode_round(self.bus.read_audio(positions, READ_COUNT, block))
+            else:
+                self._spare = not self._connected_waiting()
+                if waiting:
+                    time.sleep(FINALS_BLOCK_MS / 1000)
         elif self.accepting:
             self.bus.wait_announcement(self._newest_announcement, IDLE_BLOCK_MS)
+
+    def _decode_round(self, batch: dict[str, list[tuple[str, bytes]]]) -> None:
+        """Decode what a read brought: the connected sessions' audio first; a session whose
+        client is gone only once every connected one is caught up (none read a full batch,
+        none has a final on its way), so clients that left cannot slow those still there
+        (their results still wait for a resume)."""
+        away = {sid for sid in batch if (s := self.sessions.get(sid)) is not None and s.away}
+        here = {sid: entries for sid, entries in batch.items() if sid not in away}
+        for sid, entries in here.items():
+            self._decode_guarded(sid, entries)
+        spare = (all(len(entries) < READ_COUNT for entries in here.values())
+                 and not self._connected_waiting())
+        if spare and self._spare:
+            for sid in away:
+                self._decode_guarded(sid, batch[sid])
+        self._spare = spare
+
+    def _connected_waiting(self) -> bool:
+        return any(s.outbox.waiting for s in self.sessions.values() if not s.away)
 
     def _claim(self, now: float, free: int) -> None:
         """Take the sessions placement gives this worker (``Bus.place``); sessions whose
@@ -256,7 +280,8 @@ class Worker:
     def _renew(self) -> None:
         sids = list(self.sessions)
         for sid, status in self.bus.renew_leases(sids, self.id, self.settings.lease_ttl_ms).items():
-            if status == 1:
+            if status in (1, 2):
+                self.sessions[sid].away = status == 2
                 continue
             s = self.sessions.pop(sid)
             self._drop(s)
@@ -354,7 +379,8 @@ class Worker:
             rules += (labels.rule,)
         self.sessions[ann.sid] = OwnedSession(
             ann.sid, ann.msg_id, stream, position, next_seq, audio, rules,
-            Outbox(labels.state if labels else None), labels)
+            Outbox(labels.state if labels else None), labels,
+            away=self.bus.client_gone(ann.sid))
         log.info("took session %s at seq %d", ann.sid, next_seq,
                  extra={"session": ann.sid, "event": "claim"})
 

@@ -6,6 +6,7 @@ so the timing of what the worker sees is under the test's control.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -128,6 +129,34 @@ def test_sigterm_hands_sessions_over_and_the_transcript_is_unchanged(fresh_redis
         terminate(first)
         if second:
             terminate(second)
+
+
+def test_a_session_whose_client_is_gone_is_decoded_after_the_connected_ones(
+        fresh_redis, fresh_redis_client, artifacts):
+    """Two sessions' audio is stored when the worker starts; the client of one has left
+    (its keys expire, as in a disconnect's grace period). The connected one is decoded
+    first, to its end; the other only then, to the same transcript (it waits for a
+    resume)."""
+    client = fresh_redis_client
+    bus = busmod.Bus(client)
+    pcm = _two_utterance_audio()
+    write_session(bus, "here", pcm)
+    write_session(bus, "away", pcm)
+    for key in (keys.session_key("away"), keys.audio_key("away")):
+        client.pexpire(key, 600_000)
+    worker = start_pool(fresh_redis.url, artifacts, "away")
+    try:
+        wait_for(lambda: ended(client, "here") and ended(client, "away"), timeout=60)
+        here_end = [i for i, f in client.xrange(keys.text_key("here"))
+                    if json.loads(f[b"r"])["type"] == "end"][0]
+        away_first = client.xrange(keys.text_key("away"), count=1)[0][0]
+        # stream ids begin with the Redis server's clock in ms
+        assert int(away_first.split(b"-")[0]) >= int(here_end.split(b"-")[0])
+        finals = {sid: [r for r in results(client, sid) if r["type"] == "final"]
+                  for sid in ("here", "away")}
+        assert finals["here"] and _strip_seq(finals["away"]) == _strip_seq(finals["here"])
+    finally:
+        terminate(worker)
 
 
 def _strip_seq(rs):
