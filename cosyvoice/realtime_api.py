@@ -27,6 +27,7 @@ import binascii
 import json
 import logging
 import secrets
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,6 +223,7 @@ class Realtime:
         self.previous: str | None = None
         self.last_result = "-"  # the current session's last result handled
         self.closed = False
+        self.heard = time.monotonic()  # the client's last event
 
     # ---- the connection ---------------------------------------------------------------
 
@@ -235,6 +237,7 @@ class Realtime:
         self.ws.environ[ON_TOO_BIG] = lambda limit: self.error(
             f"an event is at most {limit} bytes", "event_too_large")
         relay = gevent.spawn(self.relay)
+        idle = gevent.spawn(self.watch_idle)
         if self.segment is not None:
             self.gateway.relay.replay(self.segment.conn.session)  # what the client missed
         try:
@@ -245,11 +248,28 @@ class Realtime:
                     break
                 if frame is None:
                     break
+                self.heard = time.monotonic()
                 self.handle(frame)
         finally:
             self.closed = True
+            idle.kill()
             relay.kill()
             self._leave()
+
+    def watch_idle(self) -> None:
+        """No event for ``realtime_idle_timeout_s``: say so and close (the session waits
+        for a resume, as after any disconnect)."""
+        timeout = self.gateway.settings.realtime_idle_timeout_s
+        if timeout <= 0:
+            return
+        while not self.closed:
+            gevent.sleep(min(1.0, timeout / 4))
+            if time.monotonic() - self.heard > timeout:
+                log.info("realtime connection %s idle", self.id)
+                self.error(f"no event for {timeout:g} s", "idle_timeout")
+                self.closed = True
+                close_ws(self.ws, 1000, f"idle for {timeout:g} s")
+                return
 
     # ---- resume -----------------------------------------------------------------------
 

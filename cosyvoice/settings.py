@@ -229,6 +229,14 @@ class Settings:
     # A Deepgram /v1/listen connection that sends neither audio nor KeepAlive for this long
     # is closed (1011 NET-0001), as Deepgram's are after 10 s (docs/deepgram.md). 0: never.
     listen_idle_timeout_s: float = 10.0
+    # An OpenAI /v1/realtime connection that sends no event for this long gets an `error`
+    # (`idle_timeout`) and is closed 1000; its session waits for a resume (docs/openai.md).
+    # 0: never.
+    realtime_idle_timeout_s: float = 60.0
+    # The most seconds one WebSocket frame's payload (on every face) may take to arrive
+    # once its header is read, plus a second per 64 KiB it announces: a client that
+    # announces a frame and then stalls is closed 1008 (docs/security.md). 0: no limit.
+    frame_timeout_s: float = 30.0
     # How long a client told `overloaded` should wait before it tries again.
     overload_retry_ms: int = 2000
     # The largest upload POST /v1/audio/transcriptions takes (OpenAI's limit: 25 MB);
@@ -414,6 +422,8 @@ _RULES: dict[str, tuple[Callable, str]] = {
     "overload_retry_ms": _at_least(0),
     "idle_timeout_s": _at_least(0),
     "listen_idle_timeout_s": _at_least(0),
+    "realtime_idle_timeout_s": _at_least(0),
+    "frame_timeout_s": _at_least(0),
     "max_upload_mb": _at_least(1),
     "max_message_kb_realtime": _at_least(16),
     "max_message_kb_listen": _at_least(16),

@@ -113,6 +113,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     # Socket.IO's messages: the largest chunk in its envelope, or the connect packet's auth
     wsframes.MESSAGE_LIMITS["/socket.io/"] = socketio_message_limit(settings)
     wsframes.MESSAGE_LIMITS[""] = wsframes.DEFAULT_LIMIT  # any other path
+    wsframes.PAYLOAD_TIMEOUT_S = settings.frame_timeout_s
     app = Flask(__name__, static_folder=None)
     origins = [o.strip() for o in settings.allowed_origins.split(",") if o.strip()] or None
     socketio = SocketIO(

@@ -13,6 +13,11 @@ None). A face that says more first registers ``ON_TOO_BIG`` in the request's env
 Deepgram face sends its ``Error`` message, the Realtime face its ``error`` event).
 
 Control frames stay at RFC 6455's 125 bytes, as gevent-websocket already checks.
+
+A frame's payload must also arrive in time: ``PAYLOAD_TIMEOUT_S`` (from
+``COSYVOICE_FRAME_TIMEOUT_S``) plus a second per ``PAYLOAD_MIN_RATE`` bytes it announces.
+A client that announces a frame and then stalls is closed 1008 and its connection shut
+down, where it would otherwise hold a socket and a greenlet for as long as it liked.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import gevent
 from geventwebsocket.exceptions import ProtocolError, WebSocketError
 from geventwebsocket.websocket import Header, WebSocket
 
-from .wshandler import close_ws
+from .wshandler import CLOSE_WAIT_S, close_ws, shut, shut_later
 
 # path -> the most bytes one message may hold there (the longest matching prefix wins)
 MESSAGE_LIMITS: dict[str, int] = {}
@@ -37,8 +42,14 @@ LINGER_BYTES = 4 * 1024 * 1024
 LINGER_S = 2.0
 # a path no face names (nothing is served there; its upgrade is answered 404)
 DEFAULT_LIMIT = 64 * 1024
+# a frame's payload arrives within this many seconds (0: no limit; set by the gateway
+# from COSYVOICE_FRAME_TIMEOUT_S) plus one per PAYLOAD_MIN_RATE bytes it announces
+PAYLOAD_TIMEOUT_S = 30.0
+PAYLOAD_MIN_RATE = 64 * 1024
+CLOSE_POLICY = 1008
 
 ORIGINAL_RECEIVE = WebSocket.receive
+ORIGINAL_CLOSE = WebSocket.close
 
 
 class MessageTooBig(WebSocketError):
@@ -47,6 +58,14 @@ class MessageTooBig(WebSocketError):
     def __init__(self, limit: int):
         super().__init__(f"a message is at most {limit} bytes here")
         self.limit = limit
+
+
+class PayloadStalled(Exception):
+    """A frame's payload did not arrive in time (``PAYLOAD_TIMEOUT_S``); not a socket
+    error, so the reads it interrupts do not take it for the peer's EOF."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"a frame's payload did not arrive within {seconds:.0f} s")
 
 
 def limit_for(path: str | None) -> int:
@@ -61,8 +80,11 @@ def limit_for(path: str | None) -> int:
 def _payload(ws: WebSocket, header: Header) -> bytes | bytearray:
     if not header.length:
         return b""
+    seconds = PAYLOAD_TIMEOUT_S + header.length / PAYLOAD_MIN_RATE
     try:
-        payload = ws.raw_read(header.length)
+        with gevent.Timeout(seconds if PAYLOAD_TIMEOUT_S > 0 else None,
+                            PayloadStalled(seconds)):
+            payload = ws.raw_read(header.length)
     except socket_error:
         payload = b""
     if len(payload) != header.length:
@@ -134,6 +156,9 @@ def receive(ws: WebSocket):
         return read_message(ws)
     except MessageTooBig as exc:
         refuse(ws, exc.limit)
+    except PayloadStalled as exc:
+        close_ws(ws, CLOSE_POLICY, str(exc))
+        shut(ws.handler.socket)  # it is not reading: no lingering close
     except UnicodeError:
         ws.close(1007)
     except ProtocolError:
@@ -175,11 +200,20 @@ def linger(sock, budget: int = LINGER_BYTES, seconds: float = LINGER_S) -> None:
             budget -= len(data)
 
 
+def close(ws: WebSocket, code: int = 1000, message: bytes | str = b"") -> None:
+    """gevent-websocket's ``close``, then the connection shut down unless the peer ends
+    it within ``CLOSE_WAIT_S`` (engine.io closes a client that stopped answering its
+    pings so, and the reader blocked on that client's socket returns)."""
+    ORIGINAL_CLOSE(ws, code, message)
+    shut_later(ws, CLOSE_WAIT_S)
+
+
 def install() -> None:
-    """Make every gevent-websocket socket of this process read bounded messages.
-    Idempotent."""
+    """Make every gevent-websocket socket of this process read bounded messages, and
+    not outlive its close. Idempotent."""
     WebSocket.read_message = read_message
     WebSocket.receive = receive
+    WebSocket.close = close
 
 
 def installed() -> bool:

@@ -14,10 +14,12 @@ Socket.IO's own upgrades (``/socket.io/``) have no check and go on as before.
 
 from __future__ import annotations
 
+import socket
 import struct
 from collections.abc import Callable
 from typing import Any
 
+import gevent
 from geventwebsocket.gunicorn.workers import GeventWebSocketWorker
 from geventwebsocket.handler import WebSocketHandler
 
@@ -31,6 +33,8 @@ SUBPROTOCOLS: dict[str, tuple[str, ...]] = {}
 ABANDON = "cosyvoice.abandon"
 # and the headers it adds to the upgrade's 101 response
 UPGRADE_HEADERS = "cosyvoice.upgrade_headers"
+# After our close frame, how long the peer has to close the connection before we do
+CLOSE_WAIT_S = 5.0
 
 
 def close_ws(ws: Any, code: int, reason: str = "") -> None:
@@ -45,6 +49,24 @@ def close_ws(ws: Any, code: int, reason: str = "") -> None:
         pass
     finally:
         ws.closed = True
+        shut_later(ws, CLOSE_WAIT_S)
+
+
+def shut_later(ws: Any, seconds: float) -> None:
+    """Shut the connection down in ``seconds`` unless it is closed by then: a peer that
+    does not answer our close frame (or stalls mid-frame) would otherwise hold the socket
+    and its reader, blocked on a read, for as long as it likes (RFC 6455 7.1.1: the server
+    closes the TCP connection)."""
+    sock = getattr(getattr(ws, "handler", None), "socket", None)
+    if sock is not None:
+        gevent.spawn_later(seconds, shut, sock)
+
+
+def shut(sock: Any) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # a blocked read returns: the handler ends
+    except OSError:
+        pass  # closed already
 
 
 class Handler(WebSocketHandler):

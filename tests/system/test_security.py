@@ -18,8 +18,10 @@ import websocket
 from cosyvoice.client import StreamingClient
 from cosyvoice.settings import Settings
 from cosyvoice.webui import socketio_message_limit
+from cosyvoice.wshandler import CLOSE_WAIT_S
 
-from ..helpers import ws_frame
+from .. import launcher
+from ..helpers import TEST_ENV, ws_frame
 from ..launcher import wait_for
 
 pytestmark = pytest.mark.system
@@ -153,6 +155,63 @@ def test_the_largest_chunk_socketio_allows_is_read(service):
         client.close()
     assert ack is not None and ack["seq"] == 0 and "error" not in ack, ack
     assert not client.result.errors
+
+
+# ---- slow and silent clients -----------------------------------------------------------
+
+FRAME_TIMEOUT_S = 1.0
+REALTIME_IDLE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def impatient(service, redis_server, artifacts):
+    """A second gateway beside ``service`` (its workers decode for both) with short
+    frame and idle timeouts."""
+    gw = launcher.start_gateway(redis_server.url, logs=artifacts, name="impatient", env={
+        **TEST_ENV, "COSYVOICE_FRAME_TIMEOUT_S": str(FRAME_TIMEOUT_S),
+        "COSYVOICE_REALTIME_IDLE_TIMEOUT_S": str(REALTIME_IDLE_S)})
+    yield gw
+    launcher.stop(gw.proc)
+
+
+def cut_off(ws: websocket.WebSocket, timeout: float) -> bool:
+    """True once the gateway ends the TCP connection (we never answer its close)."""
+    assert ws.sock is not None
+    ws.sock.settimeout(launcher.scaled(timeout))
+    try:
+        while ws.sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass  # reset: ended too
+    return True
+
+
+@pytest.mark.parametrize("path", list(FACES), ids=IDS)
+def test_a_frame_whose_payload_stalls_is_closed_1008_and_cut_off(impatient, path):
+    """A client announces a frame, sends a little of it and stalls: the gateway closes
+    with 1008 once the frame's time is up and ends the connection, instead of holding the
+    socket and its reader for as long as the client likes."""
+    ws = connect(impatient, path)
+    send_raw(ws, ws_frame(websocket.ABNF.OPCODE_BINARY, length=1000) + b"\0" * 10)
+    _texts, code, reason = read_until_close(ws)
+    assert code == 1008, (code, reason)
+    assert "did not arrive" in reason
+    assert cut_off(ws, 10)
+    ws.close()
+
+
+def test_a_silent_realtime_client_gets_idle_timeout_and_is_cut_off(impatient):
+    """No event for the idle timeout: an ``error`` ``idle_timeout`` and close 1000; a
+    client that does not answer the close is cut off a few seconds later."""
+    ws = connect(impatient, "/v1/realtime?intent=transcription")
+    texts, code, _reason = read_until_close(ws)
+    events = [json.loads(t) for t in texts]
+    assert code == 1000, events
+    assert [e["error"]["code"] for e in events if e["type"] == "error"] == ["idle_timeout"]
+    assert cut_off(ws, 10 + CLOSE_WAIT_S)
+    ws.close()
 
 
 # ---- HTTP bodies --------------------------------------------------------------------------
