@@ -1,4 +1,4 @@
-"""The ``cosyvoice`` command: serve, gateway, worker, transcribe, model, token.
+"""The ``cosyvoice`` command: serve, gateway, worker, transcribe, model, token, key, usage.
 
 Imports stay lazy: ``gateway`` must let gevent patch the standard library before redis
 or Flask are imported.
@@ -25,7 +25,7 @@ from typing import Any, Callable
 from .codecs import CODECS, OPUS, parse_bitrate
 from .languages import SCRIPTS
 from .registry import SESSION_MODES
-from .settings import Settings, SettingsError, _parse
+from .settings import Settings, SettingsError, _format, _parse
 from .subtitles import FORMATS
 
 EXIT_OK = 0
@@ -55,15 +55,47 @@ class CliError(Exception):
         self.status = status
 
 
-def _settings_parser() -> argparse.ArgumentParser:
-    """Flags for every setting, named like the ``COSYVOICE_*`` variables."""
+SETTINGS_GROUP = "settings (each also a COSYVOICE_<NAME> variable; docs/configuration.md)"
+SETTINGS_EPILOG = ("Every server setting is also a flag of this command (--redis-url, "
+                   "--engine, ...) and a COSYVOICE_<NAME> variable: --help-settings lists "
+                   "them.")
+
+
+def _settings_parser(shown: bool = False) -> argparse.ArgumentParser:
+    """Flags for every setting, named like the ``COSYVOICE_*`` variables. A command's
+    ``--help`` leaves them out (its own arguments come first, not 90 settings);
+    ``--help-settings`` lists them (``shown``)."""
     parser = argparse.ArgumentParser(add_help=False)
-    group = parser.add_argument_group("settings (also COSYVOICE_<NAME> variables)")
+    group = parser.add_argument_group(SETTINGS_GROUP)
+    defaults = Settings()
     for f in dataclasses.fields(Settings):
+        env = "COSYVOICE_" + f.name.upper()
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
                            type=_flag_type(f.name, str(f.type)), default=None,
-                           metavar=str(f.type).upper())
+                           metavar=str(f.type).upper(),
+                           help=(f"{env} (default: {_format(getattr(defaults, f.name)) or '-'})"
+                                 if shown else argparse.SUPPRESS))
+    if not shown:
+        parser.add_argument("--help-settings", action=_HelpSettings)
     return parser
+
+
+class _HelpSettings(argparse.Action):
+    """``--help-settings``: the settings this command takes as flags, then exit."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                         nargs=0, help="list the server settings, each a flag of this "
+                                       "command and a COSYVOICE_<NAME> variable, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        listing = argparse.ArgumentParser(
+            prog=parser.prog, usage=f"{parser.prog} [--SETTING VALUE ...]", add_help=False,
+            parents=[_settings_parser(shown=True)],
+            description="The server settings. A flag overrides its variable, which "
+                        "overrides the default.")
+        listing.print_help()
+        parser.exit()
 
 
 def _flag_type(name: str, type_name: str) -> Callable[[str], Any]:
@@ -124,18 +156,26 @@ def _bitrate(raw: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     common = _settings_parser()
     parser = argparse.ArgumentParser(prog="cosyvoice", description="Real-time speech to text.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", parents=[common],
-                   help="run everything on this machine: Redis (embedded unless "
-                        "--redis-url), the gateway and the ASR workers")
-    sub.add_parser("gateway", parents=[common], help="run the Socket.IO gateway")
-    worker = sub.add_parser("worker", parents=[common], help="run ASR worker processes")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, purpose: str, settings: bool = True) -> argparse.ArgumentParser:
+        """A subcommand whose --help says its purpose, then its own arguments."""
+        return sub.add_parser(name, help=purpose, description=purpose,
+                              parents=[common] if settings else [],
+                              epilog=SETTINGS_EPILOG if settings else None)
+
+    command("serve", "run everything on this machine: Redis (embedded unless --redis-url), "
+                     "the gateway and the ASR workers")
+    command("gateway", "run the gateway: the page, Socket.IO and the OpenAI and Deepgram "
+                       "faces")
+    worker = command("worker", "run ASR worker processes")
     worker.add_argument("--processes", type=int, default=None,
                         help="worker processes (default: --workers, 0 = one per core)")
     worker.add_argument("--calibrate", action="store_true",
                         help="measure what one worker process on this host holds with the "
                              "engine, print the COSYVOICE_WORKER_CAPACITY to set, and exit")
-    tr = sub.add_parser("transcribe", help="stream an audio file and print its transcript")
+    tr = command("transcribe", "stream an audio file to a cosyvoice service and print its "
+                               "transcript", settings=False)
     tr.add_argument("file", help="audio file in any format FFmpeg decodes (WAV, FLAC, MP3, "
                                  "Ogg/Opus, M4A/AAC, WebM, ...), or - for standard input")
     tr.add_argument("--url", type=_url, default="http://127.0.0.1:5000",
@@ -193,21 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "codec and bitrate when it says the link calls for it")
     tr.add_argument("--bitrate", type=_bitrate, default=None,
                     help="Opus bitrate, e.g. 24k (one the server offers; default: its best)")
-    model = sub.add_parser("model", parents=[common],
-                           help="verify the Whisper model data and convert it once into the "
-                                "torch checkpoint the 2pass engine maps")
+    model = command("model", "verify the Whisper model data and convert it once into the "
+                             "torch checkpoint the 2pass engine maps")
     model.add_argument("--from", dest="source", default=None,
                        help="an official openai-whisper checkpoint to use instead")
     model.add_argument("--force", action="store_true", help="convert again")
-    tok = sub.add_parser("token", parents=[common],
-                         help="issue a signed client token (needs COSYVOICE_AUTH_SECRET)")
+    tok = command("token", "issue a signed client token (needs COSYVOICE_AUTH_SECRET)")
     tok.add_argument("--subject", default="client", help="who the token is for")
-    key = sub.add_parser("key", parents=[common],
-                         help="print a new API key named NAME and add its hash to "
-                              "COSYVOICE_API_KEYS_FILE (the key is not kept: copy it now)")
+    key = command("key", "print a new API key named NAME and add its hash to "
+                         "COSYVOICE_API_KEYS_FILE (the key is not kept: copy it now)")
     key.add_argument("name", help="whose key it is (letters, digits, '.', '_', '-')")
-    usage = sub.add_parser("usage", parents=[common],
-                           help="audio seconds each key (or token subject) sent, per day")
+    usage = command("usage", "audio seconds each key (or token subject) sent, per day")
     usage.add_argument("--days", type=int, default=7, help="days back from today (UTC)")
     usage.add_argument("--json", action="store_true", help="one JSON object")
     return parser
