@@ -1,8 +1,9 @@
-# The project's tasks, one command each: `make lint`, `make types`, `make docs` (the
-# documentation site, strict), `make unit` (the unit tier), `make fast` (the fast tier, under
-# 2 minutes), `make test` (everything, as .ci/run runs it), `make install` (what the tests
-# need), `make bench NAME=admission ARGS="--offered 16"` (one benchmark under benchmarks/),
-# `make serve` (the whole service on this machine). docs/development.md has the table.
+# The project's tasks, one command each: `make lint` (ruff and the package's layers),
+# `make types`, `make docs` (the documentation site, strict), `make unit` (the unit tier),
+# `make fast` (the fast tier, under 2 minutes), `make test` (everything, as .ci/run runs
+# it), `make install` (what the tests need), `make bench NAME=admission ARGS="--offered 16"`
+# (one benchmark under benchmarks/), `make serve` (the whole service on this machine).
+# docs/development.md has the table.
 PYTHON ?= python
 NAME ?=
 ARGS ?=
@@ -15,6 +16,7 @@ install:
 
 lint:
 	ruff check .
+	lint-imports
 
 types:
 	mypy

@@ -31,8 +31,8 @@ bind = [_address(_settings.host, _settings.port)]
 workers = _settings.gateway_processes
 # With gevent-websocket installed, the plain gevent worker refuses WebSocket upgrades.
 # gevent-websocket's worker, with a check before each raw WebSocket upgrade
-# (cosyvoice/wshandler.py: a bad key is refused with 401 before the 101)
-worker_class = "cosyvoice.wshandler.Worker"
+# (cosyvoice/gateway/wshandler.py: a bad key is refused with 401 before the 101)
+worker_class = "cosyvoice.gateway.wshandler.Worker"
 # Concurrent connections per process: each is one streaming session.
 worker_connections = 1000
 # Replace a process after about this many connections (bounds slow leaks); the jitter

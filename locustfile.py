@@ -40,9 +40,9 @@ import time
 import gevent
 from locust import User, constant, events, task
 
-from cosyvoice.audio import read_audio, split_chunks
 from cosyvoice.client import StreamingClient, TranscribeError
-from cosyvoice.protocol import NAMESPACE
+from cosyvoice.wire.audio import read_audio, split_chunks
+from cosyvoice.wire.protocol import NAMESPACE
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 REQUEST_TYPE = "socketio"

@@ -39,7 +39,7 @@ import requests
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.stack import Stack, last_to_final, percentile  # noqa: E402
-from cosyvoice.apikeys import digest  # noqa: E402
+from cosyvoice.gateway.apikeys import digest  # noqa: E402
 
 FACES = {"socketio": "/socket.io/?EIO=4&transport=websocket",
          "realtime": "/v1/realtime?intent=transcription",

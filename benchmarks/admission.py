@@ -56,9 +56,9 @@ from benchmarks.engines import (  # noqa: E402
 from benchmarks.report import markdown, pair, save_json  # noqa: E402
 from benchmarks.stack import Stack  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
-from cosyvoice import bus as busmod  # noqa: E402
 from cosyvoice.asr import ENGINES  # noqa: E402
 from cosyvoice.client import Refused, StreamingClient  # noqa: E402
+from cosyvoice.store import bus as busmod
 from tests.helpers import hogs  # noqa: E402
 
 WARMUP_S = 10.0  # capacity samples before this are left out of its min and max

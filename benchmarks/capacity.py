@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.stack import POCKETSPHINX, Stack, fixture_names, percentile, read_fixture  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
-from cosyvoice.audio import split_chunks  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
+from cosyvoice.wire.audio import split_chunks  # noqa: E402
 
 PARTIAL_P99_TARGET_MS = 500.0
 FINAL_P95_TARGET_MS = 250.0

@@ -37,10 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import markdown  # noqa: E402
 from benchmarks.stack import Stack, read_fixture  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
-from cosyvoice import codecs  # noqa: E402
 from cosyvoice.asr import capacity_of  # noqa: E402
 from cosyvoice.client import transcribe_pcm  # noqa: E402
 from cosyvoice.settings import Settings  # noqa: E402
+from cosyvoice.wire import codecs
 from tests.helpers import corpus_wer, fixture_texts, harvard_texts, reference_text  # noqa: E402
 from tests.stack import scrape  # noqa: E402
 

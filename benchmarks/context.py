@@ -3,7 +3,7 @@
 A worker decodes each utterance the endpointer cuts on its own; on continuous speech that
 costs Whisper the context the sentence before gives (names, the topic, where a sentence
 that the endpointer cut in two goes on). The service gives each final after the first the
-end of the session's finals so far as Whisper's prompt (``cosyvoice/finals.py``). This
+end of the session's finals so far as Whisper's prompt (``cosyvoice/text/finals.py``). This
 measures what that buys and what it risks, on a passage of continuous speech read by
 festival's ``cmu_us_slt_arctic_hts`` voice (synthesized on first use into ``--speech-dir``;
 needs ``text2wave`` and ``sox``; a sentence at a time, with pauses of 0.2-0.8 s between
@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.finals import corpus_wer, load_backend, normalizer  # noqa: E402
 from benchmarks.report import markdown  # noqa: E402
 from benchmarks.window import read_wav, speak  # noqa: E402
-from cosyvoice import finals  # noqa: E402
-from cosyvoice.asr import whisper_engine as we  # noqa: E402
+from cosyvoice.asr import whisper_engine as we
+from cosyvoice.text import finals
 
 # Written for this benchmark: one speaker telling one story, with names and places that come
 # back, sentences of different lengths, and commas where a reader pauses.
@@ -88,9 +88,9 @@ def sentences(text: str) -> list[str]:
 def utterances(pcm: bytes) -> list[bytes]:
     """The passage cut by the service's endpointer, as a worker feeds it."""
     from cosyvoice.asr.whisper_engine import TwoPassModel
-    from cosyvoice.audio import split_chunks
-    from cosyvoice.finals import InlineFinals
     from cosyvoice.settings import Settings
+    from cosyvoice.text.finals import InlineFinals
+    from cosyvoice.wire.audio import split_chunks
 
     model = TwoPassModel(Settings(engine="2pass", twopass_partials="pocketsphinx"),
                          backend=object())

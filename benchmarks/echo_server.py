@@ -26,10 +26,10 @@ def create_echo_app(fast_unmask: bool = True):
     from flask import Flask, jsonify
     from flask_socketio import SocketIO
 
-    from cosyvoice.protocol import max_payload_bytes
+    from cosyvoice.wire.protocol import max_payload_bytes
 
     if fast_unmask:
-        from cosyvoice import fastws
+        from cosyvoice.gateway import fastws
         fastws.install()
     app = Flask(__name__)
     socketio = SocketIO(app, async_mode="gevent", transports=["websocket"],

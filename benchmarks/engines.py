@@ -51,8 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.stack import Stack, percentile, read_fixture  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
-from cosyvoice.audio import split_chunks  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
+from cosyvoice.wire.audio import split_chunks  # noqa: E402
 from tests.helpers import (  # noqa: E402
     corpus_wer,
     finals,

@@ -43,8 +43,8 @@ from benchmarks.engines import CHUNK_S, GAP, Client, _dist, meets  # noqa: E402
 from benchmarks.report import markdown, pair, save_json  # noqa: E402
 from benchmarks.stack import Stack, read_fixture  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
-from cosyvoice import script  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
+from cosyvoice.text import script
 from tests.helpers import (  # noqa: E402
     cer,
     corpus_wer,

@@ -27,8 +27,8 @@ from benchmarks.stack import (  # noqa: E402
     percentile,
     read_fixture,
 )
-from cosyvoice import bus as busmod  # noqa: E402
 from cosyvoice.client import StreamingClient, TranscribeError  # noqa: E402
+from cosyvoice.store import bus as busmod
 
 
 def hammer(url: str, stop: threading.Event, counts: dict) -> None:

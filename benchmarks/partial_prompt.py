@@ -35,8 +35,8 @@ def main() -> None:
     ap.add_argument("--json-out")
     args = ap.parse_args()
     from cosyvoice.asr.live_engine import LiveModel
-    from cosyvoice.finals import next_prompt
     from cosyvoice.settings import Settings
+    from cosyvoice.text.finals import next_prompt
 
     settings = Settings()
     dec = LiveModel(settings).decoder

@@ -47,8 +47,8 @@ from benchmarks.capacity import GAP, Client, _dist  # noqa: E402
 from benchmarks.report import markdown, pair, save_json  # noqa: E402
 from benchmarks.stack import POCKETSPHINX, ROOT, Stack  # noqa: E402
 from benchmarks.transport import CpuMeter, machine  # noqa: E402
-from cosyvoice import bus as busmod  # noqa: E402
-from cosyvoice import keys  # noqa: E402
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import keys
 from tests import launcher  # noqa: E402
 
 

@@ -58,8 +58,8 @@ from benchmarks.engines import CHUNK_S, _dist  # noqa: E402
 from benchmarks.report import markdown, pair, save_json  # noqa: E402
 from benchmarks.stack import ROOT, Stack, read_fixture  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
-from cosyvoice import bus as busmod  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
+from cosyvoice.store import bus as busmod
 from tests.helpers import FIXTURES, corpus_wer, hogs  # noqa: E402
 
 RECORDINGS = ("harvard_long", "long_unbroken")

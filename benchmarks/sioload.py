@@ -22,8 +22,8 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 
-from cosyvoice.fastws import xor_mask
-from cosyvoice.protocol import chunk_bytes, encode_chunk
+from cosyvoice.gateway.fastws import xor_mask
+from cosyvoice.wire.protocol import chunk_bytes, encode_chunk
 
 NAMESPACE = "/ws"
 CHUNK_S = 0.2

@@ -45,8 +45,8 @@ from benchmarks.engines import CHUNK_S, _dist  # noqa: E402
 from benchmarks.report import markdown, pair, save_json  # noqa: E402
 from benchmarks.stack import Stack, percentile  # noqa: E402
 from benchmarks.transport import machine  # noqa: E402
-from cosyvoice import speakers  # noqa: E402
 from cosyvoice.client import StreamingClient  # noqa: E402
+from cosyvoice.text import speakers
 from tests.helpers import attributed, read_pcm, speaker_texts, zh_texts  # noqa: E402
 from tests.stack import scrape  # noqa: E402
 

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import markdown, pair  # noqa: E402
 from benchmarks.sioload import ChunkSource, LoadGenerator  # noqa: E402
 from benchmarks.stack import Stack, fixture_names, percentile, read_fixture  # noqa: E402
-from cosyvoice.embedded_redis import free_port  # noqa: E402
+from cosyvoice.store.embedded_redis import free_port  # noqa: E402
 from tests import launcher  # noqa: E402
 from tests.launcher import wait_http  # noqa: E402
 

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from geventwebsocket.websocket import Header  # noqa: E402
 
-from cosyvoice import fastws  # noqa: E402
-from cosyvoice.protocol import chunk_bytes  # noqa: E402
+from cosyvoice.gateway import fastws
+from cosyvoice.wire.protocol import chunk_bytes  # noqa: E402
 
 ENVELOPE = 30  # protobuf field tags and varints around the PCM of a chunk
 

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.finals import corpus_wer, load_backend  # noqa: E402
 from benchmarks.report import markdown  # noqa: E402
-from cosyvoice.asr import whisper_engine as we  # noqa: E402
+from cosyvoice.asr import whisper_engine as we
 
 SENTENCES = [
     # Harvard sentences, lists 1-4 (IEEE 1969), public domain

@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .codecs import CODECS, OPUS, parse_bitrate
-from .languages import SCRIPTS
-from .registry import SESSION_MODES
 from .settings import Settings, SettingsError, _format, _parse
-from .subtitles import FORMATS
+from .text.subtitles import FORMATS
+from .wire.codecs import CODECS, OPUS, parse_bitrate
+from .wire.languages import SCRIPTS
+from .wire.registry import SESSION_MODES
 
 EXIT_OK = 0
 # The work failed once it had started: the stream ended with a server error or without
@@ -133,7 +133,7 @@ def _positive(raw: str) -> float:
 
 
 def _speakers(raw: str) -> int:
-    from .speakers import MAX_SPEAKERS
+    from .text.speakers import MAX_SPEAKERS
     try:
         value = int(raw)
     except ValueError:
@@ -304,7 +304,7 @@ def cmd_model(settings: Settings, source: str | None, force: bool) -> int:
 
 
 def cmd_token(settings: Settings, subject: str) -> int:
-    from .tokens import issue
+    from .gateway.tokens import issue
 
     if not settings.auth_secret:
         raise CliError(EXIT_USAGE, "set COSYVOICE_AUTH_SECRET or --auth-secret")
@@ -313,7 +313,7 @@ def cmd_token(settings: Settings, subject: str) -> int:
 
 
 def cmd_key(settings: Settings, name: str) -> int:
-    from .apikeys import KeyFileError, add
+    from .gateway.apikeys import KeyFileError, add
 
     if not settings.api_keys_file:
         raise CliError(EXIT_USAGE, "set COSYVOICE_API_KEYS_FILE or --api-keys-file")
@@ -329,7 +329,7 @@ def cmd_usage(settings: Settings, days: int, as_json: bool) -> int:
 
     import redis
 
-    from . import bus as busmod
+    from .store import bus as busmod
 
     if not settings.redis_url:
         raise CliError(EXIT_USAGE, "set COSYVOICE_REDIS_URL or --redis-url")
@@ -362,8 +362,8 @@ def cmd_gateway(settings: Settings) -> int:
     from gevent import pywsgi
 
     from . import logs
+    from .gateway.wshandler import Handler
     from .webui import create_app
-    from .wshandler import Handler
 
     logs.setup(settings.log_level)
     if not settings.redis_url:
@@ -408,14 +408,14 @@ def cmd_worker(settings: Settings, processes: int | None) -> int:
     if not settings.redis_url:
         raise CliError(EXIT_USAGE, "set COSYVOICE_REDIS_URL or --redis-url")
     if not settings.worker_metrics_port:
-        from .pool import run_pool
+        from .worker.pool import run_pool
         return run_pool(settings, _process_count(settings, processes))
     # The pool's processes add up their metrics in one directory, chosen before
     # prometheus_client is imported (by .pool, through .worker).
     path, created = metrics_dir.choose("worker")
     metrics_dir.clear(path)
     from . import metrics
-    from .pool import run_pool
+    from .worker.pool import run_pool
     try:
         metrics.serve_pool(settings.host, settings.worker_metrics_port)
         return run_pool(settings, _process_count(settings, processes))
@@ -426,7 +426,7 @@ def cmd_worker(settings: Settings, processes: int | None) -> int:
 
 def cmd_serve(settings: Settings) -> int:
     """Everything on one machine; Ctrl-C stops it all and leaves no process behind."""
-    from .embedded_redis import EmbeddedRedis
+    from .store.embedded_redis import EmbeddedRedis
 
     embedded = None
     if not settings.redis_url:
@@ -446,7 +446,7 @@ def cmd_serve(settings: Settings) -> int:
     exited = None
     try:
         # The worker pool starts once the gateway answers: the pool reads how busy the
-        # host's cores are while it loads its model (cosyvoice/hostload.py), and a gateway
+        # host's cores are while it loads its model (cosyvoice/worker/hostload.py), and a gateway
         # starting beside it would read as other work
         _wait_healthz(settings.host, settings.port, children[0], SERVE_GATEWAY_WAIT_S,
                       lambda: stopping["n"] > 0)
@@ -502,8 +502,8 @@ def _stop_children(children: list[subprocess.Popen], stopping: dict) -> None:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
-    from .audio import AudioFileError, read_channels
-    from .subtitles import render
+    from .text.subtitles import render
+    from .wire.audio import AudioFileError, read_channels
 
     fmt = _output_format(args)
     if args.bitrate and args.codec != OPUS:
@@ -562,7 +562,7 @@ def _file_finals(args: argparse.Namespace, finals: list[dict]) -> list[dict]:
     from the whole file's speech at once (which labels better than live)."""
     if not args.diarize:
         return finals
-    from .speakers import MAX_SPEAKERS, recluster
+    from .text.speakers import MAX_SPEAKERS, recluster
     low = args.speakers or args.min_speakers or 1
     high = args.speakers or args.max_speakers or MAX_SPEAKERS
     return recluster(finals, low, high)
@@ -583,7 +583,7 @@ def _labelled(channel: int, final: dict) -> dict:
 def _render_channels(fmt: str, per_channel: list[list[dict]]) -> str:
     """A --multichannel transcript: JSON has each channel's own; text and subtitles have
     every channel's finals in order of time, each labelled with its channel."""
-    from .subtitles import render
+    from .text.subtitles import render
 
     if fmt == "json":
         return json.dumps({"channels": [{"channel": c, **json.loads(render("json", finals))}

@@ -27,13 +27,13 @@ from urllib.parse import urlsplit
 
 import socketio
 
-from . import codecs
-from .audio import split_chunks
-from .codecs import resample
-from .languages import join_texts
-from .messages import EndEvent, ErrorEvent, TextEvent
-from .protocol import CHUNK_MS, NAMESPACE, encode_chunk, encode_opus_chunk
-from .speakers import apply_relabel
+from .text.speakers import apply_relabel
+from .wire import codecs
+from .wire.audio import split_chunks
+from .wire.codecs import resample
+from .wire.languages import join_texts
+from .wire.messages import EndEvent, ErrorEvent, TextEvent
+from .wire.protocol import CHUNK_MS, NAMESPACE, encode_chunk, encode_opus_chunk
 
 # Chunks sent and not yet acknowledged, at most.
 MAX_IN_FLIGHT = 64

@@ -29,8 +29,8 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import metrics_dir
-from .codecs import CODECS
-from .errors import ERROR_CODES
+from .wire.codecs import CODECS
+from .wire.errors import ERROR_CODES
 
 # ---- gateway ----------------------------------------------------------------------------
 

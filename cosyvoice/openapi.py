@@ -15,10 +15,10 @@ from typing import Any
 
 from flask import Flask, jsonify
 
-from .deepgram_api import CONTAINERS, RATES, VERSION
-from .live_audio import RAW_ENCODINGS
-from .openai_api import FORMATS, GRANULARITIES
+from .faces.deepgram.listen import CONTAINERS, RATES, VERSION
+from .faces.openai.transcriptions import FORMATS, GRANULARITIES
 from .settings import Settings
+from .wire.live_audio import RAW_ENCODINGS
 
 JSON = "application/json"
 

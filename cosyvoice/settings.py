@@ -12,10 +12,10 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
-from .codecs import CODECS
 from .logs import is_level
-from .protocol import SUPPORTED_RATES
-from .registry import ENGINES, WHISPER_BACKENDS
+from .wire.codecs import CODECS
+from .wire.protocol import SUPPORTED_RATES
+from .wire.registry import ENGINES, WHISPER_BACKENDS
 
 ENV_PREFIX = "COSYVOICE_"
 
@@ -117,7 +117,7 @@ class Settings:
     # decode_busy_target of the time.
     final_wait_target_ms: int = 300
     final_target_ms: int = 400
-    # speaker labels (cosyvoice/speakers.py, docs/speakers.md): a piece of speech joins the
+    # speaker labels (cosyvoice/text/speakers.py, docs/speakers.md): a piece of speech joins the
     # nearest speaker met so far at this cosine similarity or more, else starts a new one
     speaker_join: float = 0.78
     # where voice vectors are computed: "thread" (a thread of each worker process, while
@@ -142,7 +142,7 @@ class Settings:
     # (one scale per row; output projection included), kept in a mapped file beside the
     # checkpoint (cosyvoice/asr/int8_decoder.py; docs/benchmarks.md, "int8 decoder").
     whisper_int8_decoder: bool = True
-    # Niceness of each worker process's finals process (cosyvoice/finals.py): Whisper
+    # Niceness of each worker process's finals process (cosyvoice/text/finals.py): Whisper
     # finals are decoded beside the partials, at this lower CPU priority, so a busy
     # machine gives the partials the CPU first. 0 decodes them at the loop's priority.
     finals_nice: int = 5
@@ -182,7 +182,7 @@ class Settings:
     opus_bitrates: str = "32000,24000,16000,12000"
     # Adaptive bitrate: a client that says it follows (`auth.abr`) starts on the rung its
     # network hint allows and is told to switch rungs (PCM, Opus at each bitrate) as its
-    # link's queueing delay says (cosyvoice/abr.py, docs/protocol.md). Clients that do not
+    # link's queueing delay says (cosyvoice/wire/abr.py, docs/protocol.md). Clients that do not
     # say `auth.abr` are never switched; false judges nothing for any client.
     abr: bool = True
     # Connections one gateway process may open to Redis (redis-py stops at 100).
@@ -202,7 +202,7 @@ class Settings:
     token_ttl_s: int = 3600
     # A file of named API keys, one "NAME SHA256" line each (`cosyvoice key new NAME`
     # adds one); empty: no keys. With keys or a secret, every client must bring one
-    # (cosyvoice/apikeys.py, docs/protocol.md "Keys and usage").
+    # (cosyvoice/gateway/apikeys.py, docs/protocol.md "Keys and usage").
     api_keys_file: str = ""
     # Sustained audio a connection may send per second of wall time (0 turns the limit
     # off, e.g. for trusted file transcription); twice real time leaves room to catch up.
@@ -244,7 +244,7 @@ class Settings:
     max_upload_mb: int = 25
     # The largest WebSocket message (one frame, or a frame and its continuations) each raw
     # WebSocket face reads, in KiB: a frame whose header announces more is refused with
-    # close 1009 before its payload is read (cosyvoice/wsframes.py, docs/security.md). An
+    # close 1009 before its payload is read (cosyvoice/gateway/wsframes.py, docs/security.md). An
     # OpenAI Realtime event (a 100 ms append is 6.4 KB of base64) ...
     max_message_kb_realtime: int = 1024
     # ... and a Deepgram /v1/listen frame (250 ms of 48 kHz stereo float audio is 96 KB).

@@ -1,10 +1,10 @@
 """The gateway's Flask app: the page, its assets, the probes and the Socket.IO server.
 
-Run it under gunicorn's GeventWebSocketWorker (``cosyvoice.wshandler.Worker``)
+Run it under gunicorn's GeventWebSocketWorker (``cosyvoice.gateway.wshandler.Worker``)
 (``gunicorn -c gunicorn.conf.py cosyvoice.webui:app``) or with ``cosyvoice gateway``;
 either way gevent has patched the standard library before this module is imported. The
-Socket.IO handlers are ``cosyvoice/gateway.py``'s; other faces (routes of their own over
-the same sessions, with an output of their own: cosyvoice/outputs.py) are installed from
+Socket.IO handlers are ``cosyvoice/gateway/core.py``'s; other faces (routes of their own over
+the same sessions, with an output of their own: cosyvoice/gateway/outputs.py) are installed from
 ``FACES``, one line each.
 """
 
@@ -21,13 +21,14 @@ from flask import Flask, jsonify, send_from_directory
 from flask_socketio import SocketIO
 from socketio import packet as socketio_packet
 
-from . import bus as busmod
-from . import debug_mem, fastws, openapi, probes, wsframes
-from .gateway import Gateway, session_limits
-from .languages import WHISPER_LANGUAGES
-from .limits import MAX_AUTH_BYTES
-from .protocol import max_payload_bytes
+from . import debug_mem, openapi
+from .gateway import fastws, probes, wsframes
+from .gateway.core import Gateway, session_limits
+from .gateway.limits import MAX_AUTH_BYTES
 from .settings import Settings
+from .store import bus as busmod
+from .wire.languages import WHISPER_LANGUAGES
+from .wire.protocol import max_payload_bytes
 
 log = logging.getLogger("cosyvoice.gateway")
 STATIC_DIR = Path(__file__).parent / "static"
@@ -39,8 +40,9 @@ CONTENT_SECURITY_POLICY = (
 # and the gateway (its sessions, admission, limits, relay and metrics) and adds its
 # routes: OpenAI's transcription and Realtime APIs (docs/openai.md), Deepgram's live and
 # pre-recorded /v1/listen (docs/deepgram.md).
-FACES: tuple[str, ...] = ("cosyvoice.openai_api:install", "cosyvoice.realtime_api:install",
-                          "cosyvoice.deepgram_api:install")
+FACES: tuple[str, ...] = ("cosyvoice.faces.openai.transcriptions:install",
+                          "cosyvoice.faces.openai.realtime:install",
+                          "cosyvoice.faces.deepgram.listen:install")
 
 
 def install_faces(app: Flask, gateway: Gateway, faces: Sequence[str]) -> None:

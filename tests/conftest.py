@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from cosyvoice.embedded_redis import EmbeddedRedis
+from cosyvoice.store.embedded_redis import EmbeddedRedis
 
 from . import launcher, tiers
 from .cluster import Cluster, redis_cluster

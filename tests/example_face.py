@@ -8,8 +8,8 @@ import secrets
 
 from flask import Flask, jsonify
 
-from cosyvoice.gateway import Gateway
-from cosyvoice.outputs import QueueOutput
+from cosyvoice.gateway.core import Gateway
+from cosyvoice.gateway.outputs import QueueOutput
 
 # How long the route waits for the next result before it answers with what it has.
 WAIT_S = 0.5

@@ -7,7 +7,7 @@ import time
 import gevent
 from socketio import packet
 
-from cosyvoice.protocol import NAMESPACE
+from cosyvoice.wire.protocol import NAMESPACE
 
 from .launcher import scaled
 

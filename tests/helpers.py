@@ -21,19 +21,19 @@ import jiwer
 import pocketsphinx
 from hypothesis import strategies as st
 
-from cosyvoice import bus as busmod
-from cosyvoice import keys
 from cosyvoice.asr import load_model
-from cosyvoice.audio import split_chunks
-from cosyvoice.fastws import xor_mask
-from cosyvoice.messages import kind
-from cosyvoice.protocol import encode_chunk
+from cosyvoice.gateway.fastws import xor_mask
 from cosyvoice.settings import Settings
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import keys
+from cosyvoice.wire.audio import split_chunks
+from cosyvoice.wire.messages import kind
+from cosyvoice.wire.protocol import encode_chunk
 
 from .launcher import ROOT, wait_for
 
 if TYPE_CHECKING:
-    from cosyvoice.worker import Worker
+    from cosyvoice.worker.loop import Worker
 
 FIXTURES = ROOT / "tests" / "fixtures"
 # Disconnected sessions expire after this in the test services (30 s in production).
@@ -318,7 +318,7 @@ def attributed(finals: Sequence[Mapping[str, Any]],
                truth: list[tuple[str, float, float, str]]) -> float:
     """The share of words whose label is their true voice, after the best mapping of
     labels to voices."""
-    from cosyvoice.speakers import best_mapping
+    from cosyvoice.text.speakers import best_mapping
 
     true, found = word_speakers(finals, truth)
     mapping = best_mapping(true, found)

@@ -38,8 +38,8 @@ from typing import TypeVar
 
 import requests
 
-from cosyvoice import bus as busmod
-from cosyvoice.embedded_redis import EmbeddedRedis, free_port
+from cosyvoice.store import bus as busmod
+from cosyvoice.store.embedded_redis import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from cosyvoice.embedded_redis import free_port
+from cosyvoice.store.embedded_redis import free_port
 
 
 class CuttableProxy:

@@ -22,9 +22,9 @@ from typing import Any  # noqa: E402
 import gevent  # noqa: E402
 import redis  # noqa: E402
 
-from cosyvoice import bus as busmod  # noqa: E402
-from cosyvoice import keys  # noqa: E402
-from cosyvoice.relay import ResultRelay  # noqa: E402
+from cosyvoice.gateway.relay import ResultRelay  # noqa: E402
+from cosyvoice.store import bus as busmod  # noqa: E402
+from cosyvoice.store import keys  # noqa: E402
 
 KILLS = 40
 STEADY = [f"steady{i}" for i in range(12)]

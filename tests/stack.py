@@ -20,9 +20,9 @@ import requests
 import websocket
 import yaml
 
-from cosyvoice.audio import split_chunks
-from cosyvoice.embedded_redis import free_port
-from cosyvoice.protocol import encode_chunk
+from cosyvoice.store.embedded_redis import free_port
+from cosyvoice.wire.audio import split_chunks
+from cosyvoice.wire.protocol import encode_chunk
 
 from . import launcher
 from .launcher import ROOT, scaled, terminate

@@ -5,7 +5,7 @@ shared); ``model.stream(sample_rate, checkpoint)`` opens a per-session ``Stream`
 ``feed(pcm, sample_rate)`` and ``flush()`` return ``cosyvoice.messages.Decoded`` items: a
 partial or final ``Result``, or a ``Scheduled`` one whose decoding the engine's deferred
 stage finishes (the 2-pass finals process, whisper-live's decode scheduler).
-The engines and what each declares are listed in ``cosyvoice/registry.py``.
+The engines and what each declares are listed in ``cosyvoice/wire/registry.py``.
 
 Engines never touch Redis or sockets: the worker publishes what they return.
 
@@ -21,10 +21,10 @@ import importlib
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..messages import Decoded
-from ..registry import ENGINES, SESSION_MODES, WHISPER_BACKENDS, EngineSpec
 from ..settings import Settings
-from ..stages import DeferredStage
+from ..text.stages import DeferredStage
+from ..wire.messages import Decoded
+from ..wire.registry import ENGINES, SESSION_MODES, WHISPER_BACKENDS, EngineSpec
 from .endpointer import Turn
 
 __all__ = ["ENGINES", "SESSION_MODES", "WHISPER_BACKENDS", "EngineSpec", "Model", "Stream",

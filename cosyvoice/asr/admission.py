@@ -33,7 +33,7 @@ at every lease renewal and advertises the capacity this module computes from it:
 - Between 1 and ``ceiling``; an idle process keeps the capacity it had. It starts with the
   engine's measured capacity in the share of the host's cores that other work leaves
   (``start_capacity``: the pool samples the host while it loads its model,
-  cosyvoice/hostload.py), so a burst on a host already busy is not admitted at the quiet
+  cosyvoice/worker/hostload.py), so a burst on a host already busy is not admitted at the quiet
   host's rate before anything is measured. Every change starts a new window of waits.
 
 A wait in the queue is the first signal: it grows with the load alone. The final's time to
@@ -72,7 +72,7 @@ MAX_HOLD = 160  # time it is over target again, up to this
 
 def start_capacity(capacity: int, cores: int, others: float | None) -> int:
     """The capacity a worker process starts with: the engine's ``capacity``, in the share
-    of the pool's ``cores`` that other work (``others`` cores busy, cosyvoice/hostload.py;
+    of the pool's ``cores`` that other work (``others`` cores busy, cosyvoice/worker/hostload.py;
     None: not known) leaves it. From there it follows the scheduler as always: it grows
     back while the sessions are within target."""
     if others is None or others < OTHERS_IGNORED or cores < 1:

@@ -23,8 +23,8 @@ import time
 import wave
 from dataclasses import dataclass
 
-from ..messages import Decoded
 from ..settings import Settings
+from ..wire.messages import Decoded
 from . import ENGINES, load_model
 
 CHUNK_S = 0.2

@@ -69,14 +69,14 @@ import base64
 import time
 from typing import Any, Callable, cast
 
-from .. import messages
-from ..finals import next_prompt
-from ..languages import AUTO, ENGLISH
 from ..settings import Settings
+from ..text.finals import next_prompt
+from ..wire import messages
+from ..wire.languages import AUTO, ENGLISH
+from ..wire.resample import ModelRateInput
 from . import model_data
 from .cadence import Cadence
 from .endpointer import Endpointer, SileroVad, Turn, next_frame, silero_session
-from .resample import ModelRateInput
 from .scheduler import DecodeJob, DecodeScheduler, Inline, StreamState
 from .tiny_whisper import (
     FULL_WINDOW_S,

@@ -6,9 +6,9 @@ so latency through gateway, Redis and worker can be measured without decoding co
 
 from __future__ import annotations
 
-from ..messages import Result
-from ..protocol import SAMPLE_WIDTH
 from ..settings import Settings
+from ..wire.messages import Result
+from ..wire.protocol import SAMPLE_WIDTH
 from .endpointer import Turn
 
 

@@ -19,10 +19,10 @@ import re
 
 import pocketsphinx
 
-from ..messages import Result, Word
 from ..settings import Settings
+from ..wire.messages import Result, Word
+from ..wire.resample import ModelRateInput
 from .endpointer import Endpointer, Turn, next_frame
-from .resample import ModelRateInput
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..languages import unspaced
+from ..wire.languages import unspaced
 
 # Whisper's own safety rules, shared with the 2-pass engine's finals.
 from .whisper_rules import (  # noqa: F401 - limit_threads: callers import it from here

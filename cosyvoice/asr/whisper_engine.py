@@ -28,10 +28,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .. import finals
-from ..messages import Decoded, Result, handed
-from ..registry import ENGINES, WHISPER_BACKENDS
 from ..settings import Settings
+from ..text import finals
+from ..wire.messages import Decoded, Result, handed
+from ..wire.registry import ENGINES, WHISPER_BACKENDS
 from .endpointer import Turn
 from .pocketsphinx_engine import MODEL_RATE, PocketSphinxModel
 from .whisper_rules import (  # noqa: F401 - the rules' names, as the 2-pass engine uses them
@@ -285,7 +285,7 @@ class TwoPassModel:
 
     Its finals are decoded where ``finals`` runs them: inline (``InlineFinals``: in the
     caller's thread, as calibration and direct decodes do) until ``start_stage`` gives
-    the worker process its finals stage (cosyvoice/finals.py); from then on a stream's
+    the worker process its finals stage (cosyvoice/text/finals.py); from then on a stream's
     finals come back as ``Scheduled``, with a job the outbox waits for.
     """
 

@@ -23,10 +23,12 @@ import redis
 import srt
 from playwright.sync_api import ConsoleMessage, Page, ViewportSize, expect, sync_playwright
 
-from cosyvoice import keys, script, tokens
 from cosyvoice.client import StreamingClient, transcribe_pcm
-from cosyvoice.embedded_redis import free_port
+from cosyvoice.gateway import tokens
 from cosyvoice.settings import Settings
+from cosyvoice.store import keys
+from cosyvoice.store.embedded_redis import free_port
+from cosyvoice.text import script
 
 from .. import launcher
 from ..helpers import (

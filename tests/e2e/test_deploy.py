@@ -22,8 +22,8 @@ import pytest
 import requests
 import yaml
 
-from cosyvoice.embedded_redis import EmbeddedRedis
-from cosyvoice.protocol import encode_chunk
+from cosyvoice.store.embedded_redis import EmbeddedRedis
+from cosyvoice.wire.protocol import encode_chunk
 
 from .. import launcher
 from ..helpers import FIXTURES, ROOT, TEST_ENV, direct_decode, fixture_texts, read_pcm, wer
@@ -304,7 +304,7 @@ def test_openai_realtime_clients_stream_through_nginx(stack):
 
     import openai
 
-    from cosyvoice.codecs import resample
+    from cosyvoice.wire.codecs import resample
 
     audio = resample(read_pcm("weather") + b"\0\0" * 16000, 16000, 24000)
     tls = ssl.create_default_context(cafile=stack.nginx.ca)

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from cosyvoice import bus as busmod
-from cosyvoice.embedded_redis import free_port
+from cosyvoice.store import bus as busmod
+from cosyvoice.store.embedded_redis import free_port
 
 from ..helpers import (
     FIXTURES,

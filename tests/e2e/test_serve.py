@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from cosyvoice.client import transcribe_pcm
-from cosyvoice.embedded_redis import free_port
+from cosyvoice.store.embedded_redis import free_port
 
 from ..helpers import ROOT, direct_decode, fixture_texts, read_pcm, wer
 from ..launcher import wait_for, wait_http

@@ -16,15 +16,17 @@ from gevent.exceptions import ConcurrentObjectUseError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cosyvoice import bus as busmod
-from cosyvoice import codecs, keys, tokens
-from cosyvoice.chunk_pb import AudioChunkProto
-from cosyvoice.embedded_redis import EmbeddedRedis
-from cosyvoice.errors import ERROR_CODES, CosyvoiceError
-from cosyvoice.limits import TokenBucket, parse_auth
-from cosyvoice.protocol import NAMESPACE, decode_chunk, encode_chunk, encode_opus_chunk
+from cosyvoice.gateway import tokens
+from cosyvoice.gateway.limits import TokenBucket, parse_auth
 from cosyvoice.settings import Settings
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import keys
+from cosyvoice.store.embedded_redis import EmbeddedRedis
 from cosyvoice.webui import create_app
+from cosyvoice.wire import codecs
+from cosyvoice.wire.chunk_pb import AudioChunkProto
+from cosyvoice.wire.errors import ERROR_CODES, CosyvoiceError
+from cosyvoice.wire.protocol import NAMESPACE, decode_chunk, encode_chunk, encode_opus_chunk
 
 from ..flask_client import open_test_client
 from ..helpers import json_values

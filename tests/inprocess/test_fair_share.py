@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from cosyvoice import apikeys
-from cosyvoice import bus as busmod
-from cosyvoice.protocol import NAMESPACE
+from cosyvoice.gateway import apikeys
 from cosyvoice.settings import Settings
+from cosyvoice.store import bus as busmod
 from cosyvoice.webui import create_app
+from cosyvoice.wire.protocol import NAMESPACE
 
 from ..flask_client import open_test_client
 

@@ -18,12 +18,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from cosyvoice import bus as busmod
-from cosyvoice import deepgram_api, openai_api, realtime_api
-from cosyvoice.deepgram_api import Listen, ListenError, Params
-from cosyvoice.errors import CosyvoiceError
+from cosyvoice.faces.deepgram import listen as deepgram_api
+from cosyvoice.faces.deepgram.listen import Listen, ListenError, Params
+from cosyvoice.faces.openai import realtime as realtime_api
+from cosyvoice.faces.openai import transcriptions as openai_api
 from cosyvoice.settings import Settings
+from cosyvoice.store import bus as busmod
 from cosyvoice.webui import create_app
+from cosyvoice.wire.errors import CosyvoiceError
 
 from ..helpers import json_values
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import gevent
 import pytest
 
-from cosyvoice import bus as busmod
-from cosyvoice import keys
-from cosyvoice.protocol import NAMESPACE, encode_chunk, parse_stored
 from cosyvoice.settings import Settings
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import keys
 from cosyvoice.webui import create_app
+from cosyvoice.wire.protocol import NAMESPACE, encode_chunk, parse_stored
 
 from ..flask_client import open_test_client
 

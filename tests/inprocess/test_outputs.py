@@ -9,15 +9,15 @@ import threading
 import pytest
 import redis
 
-from cosyvoice import bus as busmod
-from cosyvoice import keys
 from cosyvoice.asr import load_model
-from cosyvoice.messages import Published
-from cosyvoice.outputs import QueueOutput
-from cosyvoice.relay import ResultRelay
+from cosyvoice.gateway.outputs import QueueOutput
+from cosyvoice.gateway.relay import ResultRelay
 from cosyvoice.settings import Settings
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import keys
 from cosyvoice.webui import create_app
-from cosyvoice.worker import Worker
+from cosyvoice.wire.messages import Published
+from cosyvoice.worker.loop import Worker
 
 from .. import launcher
 from ..helpers import read_pcm, results, rounds_until, write_session

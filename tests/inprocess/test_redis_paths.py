@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from cosyvoice import bus as busmod
-from cosyvoice import keys
-from cosyvoice.messages import Published
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import keys
+from cosyvoice.wire.messages import Published
 
 pytestmark = [pytest.mark.fast, pytest.mark.inprocess]
 

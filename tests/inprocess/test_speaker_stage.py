@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from cosyvoice import keys
 from cosyvoice.asr import load_model
 from cosyvoice.settings import Settings
-from cosyvoice.worker import Worker
+from cosyvoice.store import keys
+from cosyvoice.worker.loop import Worker
 
 from ..helpers import attributed, conversation, results, rounds_until, write_session
 

@@ -8,10 +8,11 @@ import time
 import pytest
 import redis
 
-from cosyvoice import bus as busmod
-from cosyvoice import keys, sweeper
 from cosyvoice.client import StreamingClient
-from cosyvoice.protocol import encode_chunk
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import keys
+from cosyvoice.wire.protocol import encode_chunk
+from cosyvoice.worker import sweeper
 
 from .. import launcher
 from ..helpers import TEST_ENV, read_pcm

@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 import soxr
 
-from cosyvoice import cli, tokens
-from cosyvoice.audio import read_audio
-from cosyvoice.embedded_redis import free_port
+from cosyvoice import cli
+from cosyvoice.gateway import tokens
+from cosyvoice.store.embedded_redis import free_port
+from cosyvoice.wire.audio import read_audio
 
 from .. import launcher
 from ..helpers import FIXTURES, ROOT, read_pcm, wer

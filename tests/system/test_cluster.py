@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from cosyvoice import bus as busmod
-from cosyvoice import keys
-from cosyvoice.messages import Checkpoint, Published
-from cosyvoice.protocol import encode_chunk
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import keys
+from cosyvoice.wire.messages import Checkpoint, Published
+from cosyvoice.wire.protocol import encode_chunk
 
 pytestmark = pytest.mark.system
 

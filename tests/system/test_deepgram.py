@@ -24,8 +24,8 @@ from deepgram.core.api_error import ApiError
 from deepgram.environment import DeepgramClientEnvironment
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 
-from cosyvoice import tokens
 from cosyvoice.client import transcribe_pcm
+from cosyvoice.gateway import tokens
 
 from .. import launcher
 from ..helpers import TEST_ENV, fixture_texts, joined, read_pcm, reference_text, wer, write_pcm_wav

@@ -18,9 +18,9 @@ import pytest
 import requests
 import socketio
 
-from cosyvoice import bus as busmod
-from cosyvoice import keys
 from cosyvoice.client import StreamingClient
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import keys
 
 from .. import launcher
 from ..cluster import redis_cluster

@@ -14,8 +14,8 @@ import pytest
 import requests
 from websockets.exceptions import InvalidStatus
 
-from cosyvoice import apikeys, tokens
 from cosyvoice.client import Refused, StreamingClient, transcribe_pcm
+from cosyvoice.gateway import apikeys, tokens
 
 from .. import launcher
 from ..helpers import FIXTURES, TEST_ENV, read_pcm

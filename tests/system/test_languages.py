@@ -17,9 +17,9 @@ import requests
 import srt
 import webvtt
 
-from cosyvoice import bus as busmod
-from cosyvoice import script
 from cosyvoice.client import Refused, StreamingClient, transcribe_pcm
+from cosyvoice.store import bus as busmod
+from cosyvoice.text import script
 
 from .. import launcher
 from ..helpers import TEST_ENV, cer, han, joined, kill_owners, write_pcm_wav, zh_texts

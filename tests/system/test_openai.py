@@ -17,9 +17,9 @@ import requests
 import srt
 import webvtt
 
-from cosyvoice import tokens
 from cosyvoice.client import StreamingClient, transcribe_pcm
-from cosyvoice.load import retry_after_ms
+from cosyvoice.gateway import tokens
+from cosyvoice.gateway.load import retry_after_ms
 
 from .. import launcher
 from ..helpers import FIXTURES, TEST_ENV, normalize, read_pcm, reference_text, wer, write_pcm_wav

@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import socketio
 
-from cosyvoice import codecs
 from cosyvoice.client import Refused, transcribe_pcm
-from cosyvoice.protocol import NAMESPACE, encode_opus_chunk
 from cosyvoice.settings import Settings
+from cosyvoice.wire import codecs
+from cosyvoice.wire.protocol import NAMESPACE, encode_opus_chunk
 
 from .. import launcher
 from ..helpers import (

@@ -12,10 +12,10 @@ from itertools import pairwise
 
 import pytest
 
-from cosyvoice import keys
-from cosyvoice.audio import split_chunks
 from cosyvoice.client import StreamingClient, transcribe_pcm
-from cosyvoice.protocol import encode_chunk
+from cosyvoice.store import keys
+from cosyvoice.wire.audio import split_chunks
+from cosyvoice.wire.protocol import encode_chunk
 
 from .. import launcher
 from ..helpers import (

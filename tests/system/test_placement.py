@@ -18,9 +18,9 @@ import psutil
 import pytest
 import redis
 
-from cosyvoice import bus as busmod
-from cosyvoice import keys
-from cosyvoice.protocol import encode_chunk
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import keys
+from cosyvoice.wire.protocol import encode_chunk
 
 from .. import launcher
 from ..helpers import read_pcm

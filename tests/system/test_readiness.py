@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from cosyvoice.protocol import encode_chunk
+from cosyvoice.wire.protocol import encode_chunk
 
 from .. import launcher
 from ..helpers import TEST_ENV, read_pcm

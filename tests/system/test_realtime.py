@@ -13,9 +13,9 @@ import pytest
 import requests
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 
-from cosyvoice import tokens
 from cosyvoice.client import transcribe_pcm
-from cosyvoice.codecs import resample
+from cosyvoice.gateway import tokens
+from cosyvoice.wire.codecs import resample
 
 from .. import launcher
 from ..helpers import TEST_ENV, joined, read_pcm, reference_text, wer

@@ -16,9 +16,9 @@ import requests
 import websocket
 
 from cosyvoice.client import StreamingClient
+from cosyvoice.gateway.wshandler import CLOSE_WAIT_S
 from cosyvoice.settings import Settings
 from cosyvoice.webui import socketio_message_limit
-from cosyvoice.wshandler import CLOSE_WAIT_S
 
 from .. import launcher
 from ..helpers import TEST_ENV, ws_frame

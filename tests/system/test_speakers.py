@@ -18,9 +18,9 @@ import pytest
 import srt
 import webvtt
 
-from cosyvoice import bus as busmod
-from cosyvoice import speakers, subtitles
 from cosyvoice.client import Refused, StreamingClient, transcribe_pcm
+from cosyvoice.store import bus as busmod
+from cosyvoice.text import speakers, subtitles
 
 from .. import launcher
 from ..helpers import TEST_ENV, attributed, conversation, kill_owners, wer, write_pcm_wav

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from cosyvoice import bus as busmod
 from cosyvoice.client import Refused, StreamingClient, transcribe_pcm
+from cosyvoice.store import bus as busmod
 
 from .. import launcher
 from ..helpers import TEST_ENV, joined, read_pcm, wer

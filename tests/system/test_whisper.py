@@ -16,10 +16,10 @@ import pytest
 import redis
 import socketio
 
-from cosyvoice import keys
 from cosyvoice.asr import WHISPER_BACKENDS, model_data
 from cosyvoice.asr.whisper_engine import CT2Whisper, TorchWhisper, _float_audio
 from cosyvoice.client import transcribe_pcm
+from cosyvoice.store import keys
 
 from .. import launcher
 from ..helpers import (
@@ -484,7 +484,7 @@ def _two_pass_worker(torch_backend, redis_url, client, **settings):
     finals wait for ``held.gate``."""
     from cosyvoice.asr.whisper_engine import TwoPassModel
     from cosyvoice.settings import Settings
-    from cosyvoice.worker import Worker
+    from cosyvoice.worker.loop import Worker
 
     held = HeldFinals()
 

@@ -15,10 +15,10 @@ import time
 import pytest
 import redis
 
-from cosyvoice import bus as busmod
-from cosyvoice import keys
 from cosyvoice.asr import ENGINES
-from cosyvoice.audio import split_chunks
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import keys
+from cosyvoice.wire.audio import split_chunks
 
 from .. import launcher
 from ..helpers import (
@@ -266,7 +266,7 @@ def test_an_engine_failure_ends_only_its_session_with_an_internal_error(fresh_re
                                                                         fresh_redis_client):
     from cosyvoice.asr import load_model
     from cosyvoice.settings import Settings
-    from cosyvoice.worker import Worker
+    from cosyvoice.worker.loop import Worker
 
     client = fresh_redis_client
     bus = busmod.Bus(client)
@@ -293,7 +293,7 @@ def test_a_session_deleted_while_a_worker_hands_it_over_stays_deleted(fresh_redi
     next worker to place it crashed on it)."""
     from cosyvoice.asr import load_model
     from cosyvoice.settings import Settings
-    from cosyvoice.worker import Worker
+    from cosyvoice.worker.loop import Worker
 
     client = fresh_redis_client
     bus = busmod.Bus(client)
@@ -338,7 +338,7 @@ def test_worker_calibrate_measures_this_host_and_prints_the_setting():
 
 def test_the_pool_admits_the_engines_capacity_unless_told(fresh_redis, fresh_redis_client,
                                                           artifacts):
-    from cosyvoice import bus as busmod
+    from cosyvoice.store import bus as busmod
 
     from .. import launcher
     for capacity, expected in ((None, ENGINES["whisper-live"].capacity), (3, 3)):
@@ -355,13 +355,13 @@ def test_the_pool_admits_the_engines_capacity_unless_told(fresh_redis, fresh_red
 def test_a_pool_started_beside_busy_cores_starts_with_the_share_they_leave(
         fresh_redis, fresh_redis_client, artifacts):
     """All the pool's cores but one are taken by CPU-bound processes while it starts: it
-    measures them (cosyvoice/hostload.py) and its worker starts with that share of the
+    measures them (cosyvoice/worker/hostload.py) and its worker starts with that share of the
     engine's capacity instead of the quiet host's (cosyvoice/asr/admission.py)."""
     import re
 
-    from cosyvoice import bus as busmod
-    from cosyvoice import hostload
     from cosyvoice.asr.admission import start_capacity
+    from cosyvoice.store import bus as busmod
+    from cosyvoice.worker import hostload
 
     from .. import launcher
     cores = len(hostload.cores())
@@ -394,8 +394,8 @@ def test_a_worker_admits_what_its_decode_scheduler_measures(fresh_redis, fresh_r
     import threading
     import time
 
-    from cosyvoice import bus as busmod
     from cosyvoice.client import Refused, StreamingClient
+    from cosyvoice.store import bus as busmod
 
     from .. import launcher
     svc = launcher.start_service(fresh_redis.url, processes=1, logs=artifacts,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cosyvoice.abr import (
+from cosyvoice.wire.abr import (
     RUNGS,
     BaseDelay,
     Config,

@@ -1,4 +1,4 @@
-"""API keys and who a client is (cosyvoice/apikeys.py): the keys file, its hashes, keys
+"""API keys and who a client is (cosyvoice/gateway/apikeys.py): the keys file, its hashes, keys
 and signed tokens side by side, and a file changed while the gateway runs."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from cosyvoice import apikeys, tokens
-from cosyvoice.errors import Unauthorized
+from cosyvoice.gateway import apikeys, tokens
 from cosyvoice.settings import Settings
+from cosyvoice.wire.errors import Unauthorized
 
 pytestmark = [pytest.mark.unit, pytest.mark.fast]
 

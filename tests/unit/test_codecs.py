@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosyvoice import codecs
-from cosyvoice.audio import read_audio
+from cosyvoice.wire import codecs
+from cosyvoice.wire.audio import read_audio
 
 from ..helpers import FIXTURES
 
@@ -77,7 +77,7 @@ def test_a_session_taken_over_decodes_on_as_the_lost_worker_would(speech):
     took it over at any chunk, from the chunks stored up to its checkpoint, feeds the
     engine the same audio from there on as the worker that read it all; a PCM chunk
     after Opus first gets the stretch's last samples."""
-    from cosyvoice.chunk_pb import AudioChunkProto, Codec
+    from cosyvoice.wire.chunk_pb import AudioChunkProto, Codec
 
     pcm = codecs.split_chunks(speech, 16000)[:40]
     opus = codecs.Encodings(pcm)

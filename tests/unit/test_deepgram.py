@@ -12,9 +12,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from cosyvoice.audio import read_audio
-from cosyvoice.deepgram_api import ListenError, Params, alternative, credential, plain
-from cosyvoice.live_audio import BadAudio, ContainerInput, RawInput, open_input
+from cosyvoice.faces.deepgram.listen import ListenError, Params, alternative, credential, plain
+from cosyvoice.wire.audio import read_audio
+from cosyvoice.wire.live_audio import BadAudio, ContainerInput, RawInput, open_input
 
 from ..helpers import FIXTURES
 

@@ -12,9 +12,9 @@ import tomllib
 import pytest
 import yaml
 
-from cosyvoice.errors import ERROR_CODES
-from cosyvoice.gateway import Connection, session_event, session_limits
+from cosyvoice.gateway.core import Connection, session_event, session_limits
 from cosyvoice.settings import Settings
+from cosyvoice.wire.errors import ERROR_CODES
 
 from ..helpers import ROOT
 

@@ -8,7 +8,7 @@ import random
 import pytest
 from geventwebsocket.websocket import Header
 
-from cosyvoice import fastws
+from cosyvoice.gateway import fastws
 
 pytestmark = pytest.mark.unit
 

@@ -61,7 +61,7 @@ def reachable(g: dict[str, set[str]], start: str) -> set[str]:
 
 def test_the_walk_finds_the_imports_it_should():
     g = graph()
-    assert "cosyvoice.outbox" in g["cosyvoice.worker"]
+    assert "cosyvoice.worker.outbox" in g["cosyvoice.worker.loop"]
     assert "cosyvoice.asr.whisper_rules" in g["cosyvoice.asr.tiny_whisper"]
     # a lazy import inside a function counts too
     assert "cosyvoice.asr.live_engine" in g["cosyvoice.asr.whisper_engine"]
@@ -75,6 +75,6 @@ def test_no_module_imports_itself_through_others():
 
 def test_settings_and_the_pure_rules_import_no_engine():
     g = graph()
-    for module in ("cosyvoice.settings", "cosyvoice.registry", "cosyvoice.outbox",
-                   "cosyvoice.stages", "cosyvoice.messages", "cosyvoice.abr"):
+    for module in ("cosyvoice.settings", "cosyvoice.wire.registry", "cosyvoice.worker.outbox",
+                   "cosyvoice.text.stages", "cosyvoice.wire.messages", "cosyvoice.wire.abr"):
         assert not {m for m in reachable(g, module) if m.startswith("cosyvoice.asr")}, module

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from cosyvoice import formatting, script, stages, subtitles
 from cosyvoice.asr import ENGINES, live_engine, load_model, model_data
-from cosyvoice.errors import Unauthorized, UnsupportedLanguage
-from cosyvoice.languages import AUTO, WHISPER_LANGUAGES, join_texts
-from cosyvoice.limits import parse_auth
+from cosyvoice.gateway.limits import parse_auth
 from cosyvoice.settings import Settings, SettingsError
+from cosyvoice.text import formatting, script, stages, subtitles
+from cosyvoice.wire.errors import Unauthorized, UnsupportedLanguage
+from cosyvoice.wire.languages import AUTO, WHISPER_LANGUAGES, join_texts
 
 from ..helpers import cer, finals, joined, read_pcm, run_stream, zh_texts
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cosyvoice import stages
-from cosyvoice.messages import Checkpoint, End, Result, Scheduled
-from cosyvoice.outbox import Outbox
+from cosyvoice.text import stages
+from cosyvoice.wire.messages import Checkpoint, End, Result, Scheduled
+from cosyvoice.worker.outbox import Outbox
 
 pytestmark = [pytest.mark.fast, pytest.mark.unit]
 

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from cosyvoice.protocol import decode_chunk
+from cosyvoice.wire.protocol import decode_chunk
 
 from ..helpers import ROOT
 
@@ -74,8 +74,8 @@ def test_an_opus_chunk_encoded_by_the_page_is_what_the_gateway_accepts():
 
 def test_the_pages_subtitles_are_the_command_lines():
     """The page's downloads (subtitles.mjs) and `cosyvoice transcribe --output-format`
-    (cosyvoice/subtitles.py) cut the same cues from the same finals."""
-    from cosyvoice import subtitles
+    (cosyvoice/text/subtitles.py) cut the same cues from the same finals."""
+    from cosyvoice.text import subtitles
 
     long = " ".join(f"word{k}" for k in range(40))
     finals = [

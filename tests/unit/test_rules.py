@@ -1,7 +1,8 @@
 """The pure rules, without Redis or processes: backoff, the gateway's acks and session
 event, the worker's per-entry results and checkpoint, admission and placement (the Lua
-rules of cosyvoice/lua/rules.lua, run in Lua 5.1 as Redis runs them), the client's send window,
-and the client's handlers driven from several threads with events out of order."""
+rules of cosyvoice/store/lua/rules.lua, run in Lua 5.1 as Redis runs them), the client's
+send window, and the client's handlers driven from several threads with events out of
+order."""
 
 from __future__ import annotations
 
@@ -18,17 +19,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lupa import lua51
 
-from cosyvoice import bus as busmod
-from cosyvoice import scripts
-from cosyvoice.backoff import Backoff
 from cosyvoice.client import ABR_IN_FLIGHT, MAX_IN_FLIGHT, SendWindow, StreamingClient
-from cosyvoice.errors import BadChunk, Internal, SeqGap, SessionLost
-from cosyvoice.finals import Context, Job
-from cosyvoice.gateway import Connection, ack_for, error_ack, session_event, session_limits
-from cosyvoice.messages import Checkpoint, Result, Scheduled, to_event
-from cosyvoice.outbox import entry_results
-from cosyvoice.protocol import NAMESPACE
+from cosyvoice.gateway.core import Connection, ack_for, error_ack, session_event, session_limits
 from cosyvoice.settings import Settings
+from cosyvoice.store import bus as busmod
+from cosyvoice.store import scripts
+from cosyvoice.store.backoff import Backoff
+from cosyvoice.text.finals import Context, Job
+from cosyvoice.wire.errors import BadChunk, Internal, SeqGap, SessionLost
+from cosyvoice.wire.messages import Checkpoint, Result, Scheduled, to_event
+from cosyvoice.wire.protocol import NAMESPACE
+from cosyvoice.worker.outbox import entry_results
 
 pytestmark = [pytest.mark.fast, pytest.mark.unit]
 

@@ -17,9 +17,9 @@ import pytest
 from cosyvoice.asr import live_engine
 from cosyvoice.asr.scheduler import DecodeJob, DecodeScheduler, StreamState
 from cosyvoice.asr.tiny_whisper import Decoded
-from cosyvoice.messages import Checkpoint, End, Published, Result, Scheduled
-from cosyvoice.outbox import Pending
 from cosyvoice.settings import Settings
+from cosyvoice.wire.messages import Checkpoint, End, Published, Result, Scheduled
+from cosyvoice.worker.outbox import Pending
 
 from ..helpers import finals, read_pcm, run_stream
 
@@ -390,7 +390,7 @@ def test_a_capacity_starts_in_the_share_of_cores_other_work_leaves_and_grows_bac
 
 @pytest.mark.fast
 def test_the_host_load_is_read_from_proc_stat_for_the_pools_cores_less_its_own_time():
-    from cosyvoice import hostload
+    from cosyvoice.worker import hostload
     stat = ("cpu  400 0 200 1000 50 0 0 0 0 0\n"
             "cpu0 100 0 50 500 25 0 0 0 0 0\n"
             "cpu1 300 0 150 500 25 0 0 0 0 0\n"
@@ -410,7 +410,7 @@ def test_the_host_load_is_read_from_proc_stat_for_the_pools_cores_less_its_own_t
 
 @pytest.mark.fast
 def test_under_a_cpu_quota_the_host_load_is_not_known(tmp_path):
-    from cosyvoice import hostload
+    from cosyvoice.worker import hostload
     v2 = tmp_path / "v2" / "pod"
     v2.mkdir(parents=True)
     (tmp_path / "v2.cgroup").write_text("0::/pod\n")
@@ -676,7 +676,7 @@ def test_admission_counts_the_partials_at_their_floor_cadence():
 
 @pytest.mark.fast
 def test_a_refused_client_waits_for_its_place_at_the_measured_drain_rate():
-    from cosyvoice.load import MAX_RETRY_MS, retry_after_ms
+    from cosyvoice.gateway.load import MAX_RETRY_MS, retry_after_ms
     assert retry_after_ms(None, 1, 2000) == 2000  # nothing ended lately: the setting
     assert retry_after_ms(0.25, 1, 2000) == 4000  # one place, a session ends every 4 s
     assert retry_after_ms(0.25, 3, 2000) == 12000  # two clients already ahead of it

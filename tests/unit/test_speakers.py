@@ -1,4 +1,4 @@
-"""Speaker labels' rules (cosyvoice/speakers.py) on the real speaker encoder and the speaker
+"""Speaker labels' rules (cosyvoice/text/speakers.py) on the real speaker encoder and the speaker
 fixtures (three festival voices): pieces cut at pauses, online clustering and its
 checkpoint, the relabel of the final before, whole-file clustering, the auth options."""
 
@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from cosyvoice import speakers
-from cosyvoice.speakers import Memory, Options, SessionSpeakers
+from cosyvoice.text import speakers
+from cosyvoice.text.speakers import Memory, Options, SessionSpeakers
 
 from ..helpers import conversation, read_pcm, speaker_texts
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from cosyvoice.asr import Turn, load_model
-from cosyvoice.messages import kind
 from cosyvoice.settings import Settings
+from cosyvoice.wire.messages import kind
 
 from ..helpers import finals, joined, read_pcm, run_stream, wer
 

@@ -11,10 +11,10 @@ import soxr
 
 from cosyvoice.asr import load_model
 from cosyvoice.asr.pocketsphinx_engine import clean_word
-from cosyvoice.asr.resample import StreamingResampler
-from cosyvoice.errors import BadChunk, TooLarge, UnsupportedRate
-from cosyvoice.protocol import Chunk, decode_chunk, encode_chunk, encode_opus_chunk
 from cosyvoice.settings import Settings
+from cosyvoice.wire.errors import BadChunk, TooLarge, UnsupportedRate
+from cosyvoice.wire.protocol import Chunk, decode_chunk, encode_chunk, encode_opus_chunk
+from cosyvoice.wire.resample import StreamingResampler
 
 from ..helpers import (
     FIXTURES,
@@ -260,7 +260,7 @@ def test_endpointer_finds_each_utterance_and_is_freed():
     assert proc.memory_full_info().uss - before < 4 * 2**20
 
 
-# ---- transcripts as files (cosyvoice/subtitles.py) ------------------------------------------
+# ---- transcripts as files (cosyvoice/text/subtitles.py) ------------------------------------------
 
 
 def _final(text: str, start: float, end: float, words: bool = True) -> dict:
@@ -273,7 +273,7 @@ def _final(text: str, start: float, end: float, words: bool = True) -> dict:
 
 @pytest.mark.fast
 def test_subtitle_cues_are_readable_ordered_and_carry_every_word():
-    from cosyvoice import subtitles
+    from cosyvoice.text import subtitles
     long = " ".join(f"word{k}" for k in range(60))  # 60 words over 24 s
     finals = [_final("Glue the sheet to the dark blue background today.", 0.0, 2.4),
               _final("", 2.5, 2.6),  # a final without text: no cue
