@@ -15,7 +15,7 @@ from typing import Any
 
 from flask import Flask, jsonify
 
-from .faces.deepgram.listen import CONTAINERS, RATES, VERSION
+from .faces.deepgram.params import CONTAINERS, RATES, VERSION
 from .faces.openai.transcriptions import FORMATS, GRANULARITIES
 from .settings import Settings
 from .wire.live_audio import RAW_ENCODINGS

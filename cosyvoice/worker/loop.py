@@ -20,27 +20,25 @@ import os
 import socket
 import time
 import uuid
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Iterator, cast
+from typing import cast
 
 import redis
 
 from .. import metrics
-from ..asr import Model, Stream, Turn, capacity_of
-from ..asr.admission import Admission, Targets, p95, start_capacity
-from ..asr.scheduler import Load
+from ..asr import Model, capacity_of
 from ..settings import Settings
 from ..store import bus as busmod
 from ..store.backoff import Backoff
-from ..text import speakers, stages
+from ..text import stages
 from ..wire.chunk_pb import AudioChunkProto
-from ..wire.codecs import SAMPLE_WIDTH, SessionAudio
-from ..wire.messages import Checkpoint, Decoded, End, ErrorResult, Finalized, Result, TextRule
+from ..wire.codecs import SAMPLE_WIDTH
+from ..wire.messages import Checkpoint, Decoded, End, ErrorResult, Finalized, Result
 from ..wire.protocol import parse_stored
 from ..wire.registry import ENGINES
-from . import hostload, sweeper
-from .outbox import Outbox, Ready, entry_results
+from . import sweeper
+from .capacity import Capacity
+from .outbox import Ready, entry_results
+from .sessions import LazyEmbedder, OwnedSession, open_session
 
 log = logging.getLogger("cosyvoice.worker")
 
@@ -63,37 +61,9 @@ ROUND_PACE_MAX_S = 0.02
 # A draining worker waits this long for the finals in hand before it hands sessions over
 # (whatever is not done by then is decoded again by the next owner).
 HANDOVER_FINALS_S = 10.0
-# A capacity that follows the scheduler stays within this many times the engine's
-# measured one (or --calibrate's): a guard against a cost estimate gone wrong
-ADMISSION_CEILING = 3
-# The recent queue waits of each kind a worker reports with its heartbeat (GET /load)
-REPORTED_WAITS = 40
 # How long one XREAD waits while finals are being decoded: their results are published
 # between reads.
 FINALS_BLOCK_MS = 10
-# Stored chunks per read when a session taken over reads back before its checkpoint
-# (codecs.SessionAudio.resumed)
-WARMUP_PAGE = 16
-
-
-@dataclass
-class OwnedSession:
-    sid: str
-    announcement: str
-    stream: Stream
-    position: str  # id of the last audio entry consumed
-    next_seq: int
-    # its chunks as PCM: Opus decoded, the current rate (cosyvoice/wire/codecs.py)
-    audio: SessionAudio
-    # the session's text stages, chosen from its settings (cosyvoice/text/stages.py)
-    rules: tuple[TextRule, ...] = ()
-    # its results on their way out, in order (cosyvoice/worker/outbox.py)
-    outbox: Outbox = field(default_factory=Outbox)
-    # what it keeps for speaker labels, where it asked for them (cosyvoice/text/speakers.py)
-    speakers: speakers.SessionSpeakers | None = None
-    ended: bool = False  # ``last`` consumed: nothing more to read, the end is pending
-    # its client is gone (the grace period): decoded after the connected sessions' work
-    away: bool = False
 
 
 class Worker:
@@ -104,7 +74,6 @@ class Worker:
                  host_others: float | None = None):
         self.settings = settings
         self.model = model
-        self.capacity = capacity_of(settings)
         self.bus = busmod.Bus(client, settings.stream_maxlen)
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.sessions: dict[str, OwnedSession] = {}
@@ -126,30 +95,16 @@ class Worker:
         # thread of this one), or whisper-live's decode scheduler
         spec = ENGINES[settings.engine]
         self.stage = model.start_stage(finals_process) if spec.stage else None
-        # A scheduler's capacity follows what it serves (cosyvoice/asr/admission.py),
-        # unless COSYVOICE_WORKER_CAPACITY fixes it; it starts in the share of the cores
-        # that other work left the pool as it started (``host_others`` cores busy)
-        self.admission = (
-            Admission(start_capacity(self.capacity, len(hostload.cores()), host_others),
-                      ADMISSION_CEILING * self.capacity,
-                      Targets(settings.final_wait_target_ms / 1000,
-                              settings.partial_wait_target_ms / 1000,
-                              settings.decode_busy_target,
-                              settings.final_target_ms / 1000 or None))
-            if spec.stage == "scheduler" and self.stage is not None
-            and not settings.worker_capacity else None)
-        if self.admission is not None:
-            self.capacity = self.admission.capacity
-        # audio seconds fed to the streams since the scheduler's load was last sampled, and
-        # when that was: how many real-time sessions' worth of audio the load came from
-        self._fed_s = 0.0
-        self._fed_since = time.monotonic()
-        # the speaker embedder thread, started by the first session that asks for labels
-        self._embedder: speakers.Embedder | None = None
-        # the scheduler's recent queue waits and its partial cadence, for the heartbeat
-        self._waits: dict[str, deque[float]] = {
-            kind: deque(maxlen=REPORTED_WAITS) for kind in ("final", "partial")}
-        self._report: dict | None = None
+        # A scheduler's capacity follows what it serves, unless COSYVOICE_WORKER_CAPACITY
+        # fixes it (``host_others``: cores other work kept busy as the pool started)
+        self.load = Capacity(settings, capacity_of(settings),
+                             spec.stage == "scheduler" and self.stage is not None
+                             and not settings.worker_capacity, host_others)
+        self._embedder = LazyEmbedder(inline=settings.speaker_embedder == "inline")
+
+    @property
+    def capacity(self) -> int:
+        return self.load.value
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -255,8 +210,7 @@ class Worker:
                 log.warning("could not publish the finals in hand: %s", exc)
             if ENGINES[self.settings.engine].stage == "finals":
                 stage.stop()  # the finals process ends with this worker
-        if self._embedder is not None:
-            self._embedder.stop()
+        self._embedder.stop()
         for sid in list(self.sessions):
             s = self.sessions.pop(sid)
             self._drop(s)
@@ -294,49 +248,9 @@ class Worker:
                 log.warning("lost the lease of session %s", sid, extra={"session": sid})
         self.bus.touch_announcements(self.id, [s.announcement for s in self.sessions.values()])
         if self.stage is not None:
-            self._follow_stage()
-        self.bus.heartbeat(self.id, self.capacity, self.settings.lease_ttl_ms, self._report)
+            self.load.follow_stage(self.stage, len(self.sessions), self._embedder.thread)
+        self.bus.heartbeat(self.id, self.capacity, self.settings.lease_ttl_ms, self.load.report)
         metrics.worker_load(len(self.sessions), self.capacity)
-
-    def _follow_stage(self) -> None:
-        """Export a scheduler's load; with admission following it, set the capacity."""
-        assert self.stage is not None
-        load = self.stage.sample()
-        if not isinstance(load, Load):
-            return  # a stage that reports no load (the finals process)
-        if self._embedder is not None:
-            # speaker embeddings share the cores: their time counts as decoding's
-            embed = self._embedder.sample()
-            load.busy += embed
-            load.final_busy += embed  # a final's work, whatever the partials' cadence
-        metrics.scheduler_load(load)
-        self._waits["final"].extend(load.final_waits)
-        self._waits["partial"].extend(load.partial_waits)
-        self._report = {
-            "busy": round(load.busy, 3),
-            **{f"{kind}_wait_p95_ms": round(1000 * p95(w)) if w else None
-               for kind, w in self._waits.items()},
-            "partial_interval_ms": (round(1000 * load.partial_interval)
-                                    if load.partial_interval else None)}
-        now = time.monotonic()
-        realtime = self._fed_s / (now - self._fed_since) if now > self._fed_since else None
-        self._fed_s, self._fed_since = 0.0, now
-        if self.admission is None:
-            return
-        # Admission counts what must be on time: the finals, and the partials at their
-        # floor cadence, not at today's (cosyvoice/asr/cadence.py). While partials can
-        # still be spaced out, their waits are the cadence's to answer, not admission's.
-        floor = self.settings.live_partial_floor_s
-        yielding = load.partial_interval is not None and load.partial_interval < floor
-        before = self.capacity
-        self.capacity = self.admission.update(len(self.sessions), load.at_floor(floor),
-                                              load.final_waits,
-                                              [] if yielding else load.partial_waits,
-                                              realtime, load.final_times)
-        if self.capacity != before:
-            log.info("capacity %d -> %d (%s; %d sessions, busy %.2f a session)", before,
-                     self.capacity, self.admission.reason, len(self.sessions),
-                     self.admission.cost or 0.0)
 
     def _adopt(self, ann: busmod.Announcement) -> None:
         if ann.sid in self.sessions:
@@ -354,47 +268,11 @@ class Worker:
             # (a worker that stops first leaves it pending: another claims it a lease later)
             self._unleased[ann.sid] = ann
             return
-        if checkpoint:
-            stream = self.model.stream(checkpoint.rate, checkpoint.state)
-            position, next_seq, rate = checkpoint.id, checkpoint.seq + 1, checkpoint.rate
-        else:
-            rate = int(info["start_rate"])
-            stream = self.model.stream(rate, mode=info.get("mode") or None,
-                                       language=info.get("language") or None,
-                                       prompt=info.get("prompt", ""),
-                                       turn=Turn.from_options(info))
-            position, next_seq = "0-0", 0
-        undecodable = metrics.OPUS_UNDECODABLE.inc
-        audio = (SessionAudio.resumed(rate, self._audio_back(ann.sid, checkpoint.id),
-                                      checkpoint.seq, undecodable)
-                 if checkpoint else SessionAudio(rate, undecodable))
-        rules = stages.text_rules(info)
-        labels = None
-        options = speakers.Options.from_session(info)
-        if options is not None:
-            if self._embedder is None:
-                self._embedder = speakers.Embedder(
-                    inline=self.settings.speaker_embedder == "inline")
-            labels = speakers.SessionSpeakers(options, self._embedder,
-                                              checkpoint.state if checkpoint else None,
-                                              self.settings.speaker_join)
-            rules += (labels.rule,)
-        self.sessions[ann.sid] = OwnedSession(
-            ann.sid, ann.msg_id, stream, position, next_seq, audio, rules,
-            Outbox(labels.state if labels else None), labels,
-            away=self.bus.client_gone(ann.sid))
-        log.info("took session %s at seq %d", ann.sid, next_seq,
+        self.sessions[ann.sid] = session = open_session(
+            ann, info, checkpoint, self.model, self.settings, self.bus,
+            self._embedder, away=self.bus.client_gone(ann.sid))
+        log.info("took session %s at seq %d", ann.sid, session.next_seq,
                  extra={"session": ann.sid, "event": "claim"})
-
-    def _audio_back(self, sid: str, entry_id: str) -> Iterator[AudioChunkProto]:
-        """The session's stored chunks from ``entry_id`` back, newest first."""
-        upto = entry_id
-        while True:
-            page = self.bus.audio_up_to(sid, upto, WARMUP_PAGE)
-            yield from (parse_stored(pb) for _, pb in page)
-            if len(page) < WARMUP_PAGE:
-                return
-            upto = "(" + page[-1][0]  # exclusive: before the oldest one read
 
     # ---- decoding ---------------------------------------------------------------------
 
@@ -452,7 +330,7 @@ class Worker:
         """Feed one chunk's audio (PCM, or Opus decoded to 16 kHz) to the stream."""
         decoded: list[Decoded] = []
         for pcm, rate in s.audio.pieces(msg):
-            self._fed_s += len(pcm) / (SAMPLE_WIDTH * rate)
+            self.load.fed(len(pcm) / (SAMPLE_WIDTH * rate))
             if s.speakers is not None:
                 s.speakers.feed(pcm, rate)
             decoded += s.stream.feed(pcm, rate)

@@ -18,14 +18,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from cosyvoice.faces.deepgram import listen as deepgram_api
-from cosyvoice.faces.deepgram.listen import Listen, ListenError, Params
+from cosyvoice.faces.deepgram.listen import Listen
+from cosyvoice.faces.deepgram.params import ListenError, Params
 from cosyvoice.faces.openai import realtime as realtime_api
 from cosyvoice.faces.openai import transcriptions as openai_api
 from cosyvoice.settings import Settings
 from cosyvoice.store import bus as busmod
 from cosyvoice.webui import create_app
 from cosyvoice.wire.errors import CosyvoiceError
+from cosyvoice.wire.live_audio import MAX_CHANNELS
 
 from ..helpers import json_values
 
@@ -165,7 +166,7 @@ def test_fuzz_listen_parameters_parse_or_are_a_400(gateway, query, live):
         assert err.status == 400 and err.message
         return
     assert params.mode in gateway.modes
-    assert 1 <= params.channels <= deepgram_api.MAX_CHANNELS
+    assert 1 <= params.channels <= MAX_CHANNELS
 
 
 controls = st.one_of(

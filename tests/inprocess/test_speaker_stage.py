@@ -38,7 +38,7 @@ def test_labels_cost_nothing_unless_asked_and_come_on_every_engine(fresh_redis,
     plain = decoded(worker, client, "plain", pcm, {})
     assert [r for r in plain if r["type"] == "final"]
     assert all("speaker" not in r for r in plain)
-    assert worker._embedder is None  # no thread, no model loaded, no audio kept
+    assert worker._embedder.thread is None  # no thread, no model loaded, no audio kept
 
     # the checkpoint stored with a final holds the speakers' state
     seen_checkpoints: list[dict] = []
@@ -52,7 +52,7 @@ def test_labels_cost_nothing_unless_asked_and_come_on_every_engine(fresh_redis,
     labelled = decoded(worker, client, "labelled", pcm,
                        {"diarize": "live", "min_speakers": "1", "max_speakers": "16"})
     finals = [r for r in labelled if r["type"] == "final" and r["text"]]
-    assert worker._embedder is not None
+    assert worker._embedder.thread is not None
     assert [f["speaker"] for f in finals] == ["S1", "S2", "S1", "S2"]
     assert attributed(finals, truth) >= 0.9
     assert seen_checkpoints and all("speakers" in c and "speakers_pos" in c

@@ -338,15 +338,35 @@ def test_worker_calibrate_measures_this_host_and_prints_the_setting():
 
 def test_the_pool_admits_the_engines_capacity_unless_told(fresh_redis, fresh_redis_client,
                                                           artifacts):
+    """Unless told a capacity, a worker starts with the engine's, in the share of the
+    cores that other work leaves it as it starts (all of it on a quiet host; the next
+    test takes cores away on purpose); told one, it keeps it whatever the host."""
+    import re
+
+    from cosyvoice.asr.admission import start_capacity
     from cosyvoice.store import bus as busmod
 
     from .. import launcher
-    for capacity, expected in ((None, ENGINES["whisper-live"].capacity), (3, 3)):
+    engine = ENGINES["whisper-live"].capacity
+    for capacity in (None, 3):
+        name = f"capacity-{capacity}"
         pool = launcher.start_worker_pool(fresh_redis.url, capacity=capacity, logs=artifacts,
-                                          name=f"capacity-{capacity}")
+                                          name=name)
         try:
+            # the pool is live, so its ready line is written (a log kept from a run before
+            # has more: this pool's is the last)
+            ready = re.findall(
+                r"capacity (\d+)(?:; ([\d.]+) of (\d+) cores busy with other work)?\)",
+                (artifacts / f"{name}.log").read_text())[-1]
+            started = int(ready[0])
+            if capacity is None:
+                others = float(ready[1]) if ready[1] else None
+                cores = int(ready[2]) if ready[2] else 1
+                assert started == start_capacity(engine, cores, others) <= engine
+            else:
+                assert started == capacity
             infos = busmod.Bus(fresh_redis_client).live_workers()
-            assert [i["capacity"] for i in infos] == [expected]
+            assert [i["capacity"] for i in infos] == [started]
         finally:
             launcher.stop(pool.proc)
             fresh_redis_client.flushall()

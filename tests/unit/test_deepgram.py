@@ -12,7 +12,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from cosyvoice.faces.deepgram.listen import ListenError, Params, alternative, credential, plain
+from cosyvoice.faces.deepgram.params import ListenError, Params, alternative, credential, plain
 from cosyvoice.wire.audio import read_audio
 from cosyvoice.wire.live_audio import BadAudio, ContainerInput, RawInput, open_input
 

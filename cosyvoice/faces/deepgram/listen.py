@@ -33,15 +33,12 @@ sessions it had go on, and every result after that comes first.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
-import re
 import secrets
 import time
 import uuid
-from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -54,15 +51,10 @@ from geventwebsocket.exceptions import WebSocketError
 
 from ... import metrics
 from ...gateway.apikeys import ANONYMOUS
-from ...gateway.core import Connection, Gateway
-from ...gateway.files import IDLE_S, FileSession
+from ...gateway.core import Gateway
+from ...gateway.files import IDLE_S
 from ...gateway.limits import (
-    ENDPOINT_MS,
-    MAX_PROMPT_CHARS,
-    BadBody,
-    BodyTooLarge,
     parse_auth,
-    read_body,
 )
 from ...gateway.outputs import SessionsOutput
 from ...gateway.wsframes import MESSAGE_LIMITS, ON_TOO_BIG
@@ -74,261 +66,30 @@ from ...gateway.wshandler import (
     Refusal,
     close_ws,
 )
-from ...text import speakers
-from ...wire.audio import off_the_loop
 from ...wire.codecs import CHUNK_MS
-from ...wire.errors import CosyvoiceError, Overloaded, RateLimited, Unauthorized, Unavailable
+from ...wire.errors import CosyvoiceError, Unauthorized
 from ...wire.live_audio import (
-    MAX_CHANNELS,
-    RAW_ENCODINGS,
     BadAudio,
     ContainerInput,
     Input,
     open_input,
 )
+from .params import (
+    ENV_KEY,
+    PATH,
+    ListenError,
+    Params,
+    client_address,
+    credential,
+    from_cosyvoice,
+    metadata,
+    model,
+    received,
+)
+from .prerecorded import http
+from .results import Channel, Results
 
 log = logging.getLogger(__name__)
-
-PATH = "/v1/listen"
-CONTAINERS = ("opus", "ogg-opus", "flac")  # encodings that name a container: PyAV reads it
-RATES = (8000, 48000)  # the sample_rate a raw encoding may have (Hz, inclusive)
-UTTERANCE_END_MS = (1000, 5000)
-# How far past a gap the audio clock goes before UtteranceEnd is said: the VAD calls a
-# start of speech a window after it began (the endpointer's window), and its
-# speech_started comes that much later.
-UTTERANCE_END_SLACK_S = 0.6
-# A final this close to the longest utterance was cut by length, not ended by a pause.
-LENGTH_CUT_S = 0.25
-ENV_KEY = "cosyvoice.listen"  # the environ entry the precheck leaves for the view
-try:
-    VERSION = importlib.metadata.version("cosyvoice")
-except importlib.metadata.PackageNotFoundError:  # run from a checkout
-    VERSION = "0"
-_PUNCT = re.compile(r"[^\w'\-]+", re.UNICODE)
-
-
-class ListenError(Exception):
-    """A handshake refused: the HTTP status, Deepgram's ``err_code`` and the message."""
-
-    def __init__(self, status: int, code: str, message: str, retry_after_ms: int | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-        self.retry_after_ms = retry_after_ms
-
-    def refusal(self, request_id: str) -> Refusal:
-        reason = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-                  413: "Payload Too Large", 429: "Too Many Requests",
-                  503: "Service Unavailable"}.get(self.status, "Error")
-        body = json.dumps({"err_code": self.code, "err_msg": self.message,
-                           "request_id": request_id}).encode()
-        headers = [("Content-Type", "application/json"), ("dg-error", header_text(self.message)),
-                   ("dg-request-id", request_id)]
-        if self.status == 413:  # the rest of the body is not read: this connection ends
-            headers.append(("Connection", "close"))
-        if self.retry_after_ms is not None:
-            headers += [("Retry-After", str(max(1, round(self.retry_after_ms / 1000)))),
-                        ("retry-after-ms", str(self.retry_after_ms))]
-        return f"{self.status} {reason}", headers, body
-
-    def response(self, request_id: str) -> Response:
-        status, headers, body = self.refusal(request_id)
-        return Response(body, status=int(status[:3]), headers=headers)
-
-
-def header_text(message: str, limit: int = 200) -> str:
-    """``message`` as an HTTP header value: printable ASCII, anything else escaped (the
-    message may echo what the client sent; gevent refuses a header that is not Latin-1,
-    and a line break would end the header)."""
-    text = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii")
-                   for c in message)
-    return text[:limit]
-
-
-def from_cosyvoice(err: CosyvoiceError) -> ListenError:
-    if isinstance(err, Unauthorized):
-        return ListenError(401, "INVALID_AUTH", err.msg)
-    if isinstance(err, Overloaded):
-        return ListenError(429, "TOO_MANY_REQUESTS", err.msg, err.retry_after_ms)
-    if isinstance(err, RateLimited):
-        return ListenError(429, "TOO_MANY_REQUESTS", err.msg, err.retry_after_ms or 1000)
-    if isinstance(err, Unavailable):
-        return ListenError(503, "SERVICE_UNAVAILABLE", err.msg, 1000)
-    return ListenError(400, "Bad Request", err.msg)
-
-
-# ---- the query ----------------------------------------------------------------------------
-
-
-def _flag(query: dict[str, list[str]], key: str, default: bool = False) -> bool:
-    values = query.get(key)
-    if not values:
-        return default
-    value = values[-1].strip().lower()
-    if value in ("true", "1"):
-        return True
-    if value in ("false", "0"):
-        return False
-    raise ListenError(400, "Bad Request", f"{key} must be true or false")
-
-
-def _int(query: dict[str, list[str]], key: str) -> int | None:
-    values = query.get(key)
-    if not values:
-        return None
-    try:
-        return int(values[-1])
-    except ValueError:
-        raise ListenError(400, "Bad Request", f"{key} must be an integer") from None
-
-
-def _language(language: str, offered: tuple[str, ...]) -> str:
-    """Deepgram's ``language`` (``en``, ``en-US``, ``multi``) as a session's."""
-    if language in ("", "multi"):
-        return "auto" if language == "multi" and "auto" in offered else offered[0]
-    base = language.split("-")[0].lower()
-    if base not in offered:
-        raise ListenError(400, "Bad Request",
-                          f"language {language[:16]!r} is not offered on this server")
-    return base
-
-
-@dataclass
-class Params:
-    """A ``/v1/listen`` request's query, validated (docs/deepgram.md has the table)."""
-    model: str = ""
-    mode: str = ""
-    language: str = ""
-    encoding: str | None = None
-    sample_rate: int | None = None
-    channels: int = 1
-    split: bool = False  # each channel its own session
-    interim: bool = False
-    endpointing: int | None = None  # ms; None: the server's
-    speech_final: bool = True  # endpointing=false: never
-    utterance_end_ms: int | None = None
-    vad_events: bool = False
-    punctuate: bool = False
-    smart_format: bool = False
-    diarize: bool = False
-    keyterms: list[str] = field(default_factory=list)
-    tags: list[str] = field(default_factory=list)
-
-    @classmethod
-    def parse(cls, query: dict[str, list[str]], gateway: Gateway, live: bool = True) -> Params:
-        p = cls()
-        p.model = (query.get("model") or ["base"])[-1]
-        p.mode = p.model if p.model in gateway.modes else gateway.modes[0]
-        p.language = _language((query.get("language") or [""])[-1], gateway.languages)
-        p._audio(query)
-        p._turns(query, live)
-        p.vad_events = _flag(query, "vad_events")
-        p.punctuate = _flag(query, "punctuate")
-        p.smart_format = _flag(query, "smart_format")
-        p.diarize = _flag(query, "diarize") or bool(query.get("diarize_model"))
-        p.keyterms = [k for k in query.get("keyterm", []) + query.get("keywords", []) if k][:100]
-        p.tags = query.get("tag", [])[:20]
-        return p
-
-    def _audio(self, query: dict[str, list[str]]) -> None:
-        p = self
-        encoding = next(reversed(query.get("encoding") or []), None)
-        if encoding is not None and encoding not in RAW_ENCODINGS + CONTAINERS:
-            raise ListenError(400, "Bad Request", f"encoding must be one of "
-                              f"{list(RAW_ENCODINGS + CONTAINERS)}, or absent for a container")
-        p.encoding = encoding
-        p.sample_rate = _int(query, "sample_rate")
-        if encoding in RAW_ENCODINGS:
-            if p.sample_rate is None:
-                raise ListenError(400, "Bad Request", f"sample_rate is required with "
-                                  f"encoding={encoding}")
-            if not RATES[0] <= p.sample_rate <= RATES[1]:
-                raise ListenError(400, "Bad Request", f"sample_rate must be from {RATES[0]} "
-                                  f"to {RATES[1]} Hz")
-        channels = _int(query, "channels")
-        p.channels = 1 if channels is None else channels
-        if not 1 <= p.channels <= MAX_CHANNELS:
-            raise ListenError(400, "Bad Request", f"channels must be from 1 to {MAX_CHANNELS}")
-        p.split = _flag(query, "multichannel", default=True)
-
-    def _turns(self, query: dict[str, list[str]], live: bool) -> None:
-        p = self
-        p.interim = _flag(query, "interim_results")
-        endpointing = next(reversed(query.get("endpointing") or []), None)
-        if endpointing is not None:
-            if endpointing.strip().lower() == "false":
-                p.speech_final = False
-            else:
-                ms = _int(query, "endpointing")
-                if ms is None or ms < 0:
-                    raise ListenError(400, "Bad Request", "endpointing must be milliseconds "
-                                      "or false")
-                p.endpointing = min(ENDPOINT_MS[1], max(ENDPOINT_MS[0], ms))
-        p.utterance_end_ms = _int(query, "utterance_end_ms")
-        if p.utterance_end_ms is not None:
-            if live and not p.interim:
-                raise ListenError(400, "Bad Request",
-                                  "utterance_end_ms needs interim_results=true")
-            if not UTTERANCE_END_MS[0] <= p.utterance_end_ms <= UTTERANCE_END_MS[1]:
-                raise ListenError(400, "Bad Request", f"utterance_end_ms must be from "
-                                  f"{UTTERANCE_END_MS[0]} to {UTTERANCE_END_MS[1]}")
-
-    @property
-    def sessions(self) -> int:
-        return self.channels if self.split else 1
-
-    def session_auth(self, rate: int, file: bool = False) -> dict[str, Any]:
-        """The cosyvoice session each channel is (its ``auth``)."""
-        auth: dict[str, Any] = {"sample_rate": rate, "mode": self.mode, "language": self.language,
-                                "interim": self.interim and not file,
-                                "format": self.smart_format}
-        if self.endpointing is not None:
-            auth["endpoint_ms"] = self.endpointing
-        elif not self.speech_final:  # only Finalize, the longest silence or length end them
-            auth["endpoint_ms"] = ENDPOINT_MS[1]
-        if (self.vad_events or self.utterance_end_ms) and not file:
-            auth["speech_events"] = True
-        if self.keyterms:  # Whisper reads them as its context
-            auth["prompt"] = (", ".join(self.keyterms) + ".")[-MAX_PROMPT_CHARS:]
-        if self.diarize:
-            auth["diarize"] = "file" if file else "live"
-        return auth
-
-
-def credential(environ: dict) -> str | None:
-    """The key of the handshake: ``Authorization: Token|Bearer KEY`` (any case), or a
-    browser's ``Sec-WebSocket-Protocol: token, KEY`` (or ``bearer, JWT``)."""
-    scheme, _, key = environ.get("HTTP_AUTHORIZATION", "").strip().partition(" ")
-    if scheme.lower() in ("token", "bearer") and key.strip():
-        return key.strip()
-    offered = [p.strip() for p in environ.get("HTTP_SEC_WEBSOCKET_PROTOCOL", "").split(",")]
-    for i, p in enumerate(offered[:-1]):
-        if p.lower() in ("token", "bearer"):
-            return offered[i + 1] or None
-    return None
-
-
-def client_address(environ: dict, trusted_proxies: int) -> str:
-    """The client's address as Flask would see it behind ``trusted_proxies`` proxies."""
-    forwarded = [a.strip() for a in environ.get("HTTP_X_FORWARDED_FOR", "").split(",")
-                 if a.strip()]
-    if trusted_proxies > 0 and len(forwarded) >= trusted_proxies:
-        return forwarded[-trusted_proxies]
-    return environ.get("REMOTE_ADDR", "")
-
-
-def _received(query: dict[str, list[str]]) -> float | None:
-    """A resuming client's ``received``: where the last final it got ends (seconds)."""
-    values = query.get("received")
-    if not values:
-        return None
-    try:
-        value = float(values[-1])
-    except ValueError:
-        raise ListenError(400, "Bad Request", "received must be seconds of audio") from None
-    if not value >= 0:
-        raise ListenError(400, "Bad Request", "received must be seconds of audio")
-    return value
-
 
 def install(app: Flask, gateway: Gateway) -> None:
     PRECHECKS[PATH] = lambda environ: precheck(gateway, environ)
@@ -351,7 +112,7 @@ def precheck(gateway: Gateway, environ: dict) -> Refusal | None:
     try:
         listen = Listen(gateway, Params.parse(query, gateway), subject, request_id)
         resume = (query.get("session") or [""])[-1]
-        if not (resume and listen.resume(resume, _received(query))):
+        if not (resume and listen.resume(resume, received(query))):
             listen.open(client_address(environ, gateway.settings.trusted_proxies))
     except ListenError as err:
         return err.refusal(request_id)
@@ -379,83 +140,7 @@ def connect(gateway: Gateway):
 
 # ---- the live connection ------------------------------------------------------------------
 
-
-def model(mode: str) -> tuple[str, dict[str, str]]:
-    """The ``model_uuid`` and ``model_info`` Deepgram's messages name a session mode by."""
-    name = f"cosyvoice-{mode}"
-    return (str(uuid.uuid5(uuid.NAMESPACE_URL, "cosyvoice:" + name)),
-            {"name": name, "version": VERSION, "arch": "cosyvoice"})
-
-
-def metadata(request_id: str, sha256: str, duration: float, params: Params) -> dict[str, Any]:
-    """A stream's or a recording's ``Metadata``: its id, the audio's hash and seconds, its
-    channels and the model."""
-    model_uuid, info = model(params.mode)
-    return {"transaction_key": "deprecated", "request_id": request_id, "sha256": sha256,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()),
-            "duration": round(duration, 3), "channels": params.channels,
-            "models": [model_uuid], "model_info": {model_uuid: info}}
-
-
-def plain(word: str) -> str:
-    """Deepgram's ``word``: lower case, no punctuation around it."""
-    return _PUNCT.sub("", word).strip("'-").lower()
-
-
-def speaker_number(label: str | None) -> int | None:
-    """``S1`` → 0: Deepgram numbers speakers from 0."""
-    if not label or not label[1:].isdigit():
-        return None
-    return int(label[1:]) - 1
-
-
-def alternative(result: dict, params: Params) -> dict[str, Any]:
-    """A result's text as Deepgram's one ``alternative``: transcript, confidence, words."""
-    words = []
-    for w in result.get("words") or []:
-        word = {"word": plain(w["word"]), "start": round(w["start"], 3),
-                "end": round(w["end"], 3), "confidence": round(float(w.get("conf", 0.0)), 4)}
-        if params.punctuate or params.smart_format:
-            word["punctuated_word"] = w["word"].strip()
-        number = speaker_number(w.get("speaker") or result.get("speaker"))
-        if params.diarize and number is not None:
-            word["speaker"] = number
-        if word["word"]:
-            words.append(word)
-    text = result.get("text", "").strip()
-    if not (params.punctuate or params.smart_format):
-        text = " ".join(w["word"] for w in words) if words else \
-            " ".join(plain(t) for t in text.split() if plain(t))
-    confidence = sum(w["confidence"] for w in words) / len(words) if words else 0.0
-    return {"transcript": text, "confidence": round(confidence, 4), "words": words}
-
-
-@dataclass
-class Channel:
-    """One channel's session under the connection, and where its results stand."""
-    index: int
-    conn: Connection
-    seq: int = 0
-    pending: bytearray = field(default_factory=bytearray)
-    audio_s: float = 0.0  # audio of this channel received (decoded)
-    tile: float = 0.0  # where the next Results' window starts: the last final's end
-    finalizes: deque = field(default_factory=deque)  # (seq, audio_s) of Finalizes pending
-    held: list = field(default_factory=list)  # finals waiting for their Finalize's marker
-    last_word_end: float | None = None
-    utterance_ended: float | None = None  # the last_word_end an UtteranceEnd was sent for
-    spoke_at: float | None = None  # the last speech start after last_word_end
-    last_seq: int = -1  # the session's last chunk, once stored
-    skip_until: float = -1.0  # resumed with ``received``: results that end by then are had
-    ended: bool = False
-    last_result: str = "-"
-
-    def state(self) -> dict[str, Any]:
-        return {"session": self.conn.session, "tile": self.tile, "audio_s": self.audio_s,
-                "last_word_end": self.last_word_end, "utterance_ended": self.utterance_ended,
-                "last_result": self.last_result}
-
-
-class Listen:
+class Listen(Results):
     """One ``/v1/listen`` connection: its sessions, its audio in, its results out."""
 
     def __init__(self, gateway: Gateway, params: Params, subject: str = ANONYMOUS,
@@ -793,250 +478,3 @@ class Listen:
 
     def _bad_audio(self, err: BadAudio) -> None:
         self.fail(1008, "DATA-0000", f"the payload cannot be decoded as audio: {err}")
-
-    # ---- results ----------------------------------------------------------------------
-
-    def relay(self) -> None:
-        for session, result_id, message in self.output.each(lambda: not self.closed):
-            channel = self.by_session.get(session)
-            if channel is None:
-                continue
-            self.result(channel, message)
-            if message["type"] != "partial":
-                channel.last_result = result_id
-                if message["type"] in ("final", "finalized"):
-                    self._save()
-
-    def result(self, channel: Channel, message: Any) -> None:
-        kind = message["type"]
-        if channel.skip_until >= 0 and self._had(channel, message):
-            return
-        if kind == "partial":
-            if self.params.interim and message.get("text", "").strip():
-                self.send(self.results(channel, message, is_final=False))
-        elif kind == "speech_started":
-            self._speech_started(channel, float(message["start"]))
-        elif kind == "final":
-            if channel.finalizes:
-                channel.held.append(message)
-            else:
-                self._final(channel, message, from_finalize=False)
-        elif kind == "finalized":
-            self._finalized(channel, int(message["seq"]))
-        elif kind == "end":
-            for final in channel.held:
-                self._final(channel, final, from_finalize=False)
-            channel.held = []
-            channel.ended = True
-            if all(c.ended for c in self.channels):
-                self.ended.set()
-        elif kind == "error":
-            self.fail(1011, "NET-0000", message["msg"])
-
-    def _had(self, channel: Channel, message: Any) -> bool:
-        """A resume's replay: whether the client had ``message`` (it ends by the
-        ``received`` the client named); the first result after that ends the skipping."""
-        kind = message["type"]
-        if kind == "speech_started":
-            return float(message["start"]) < channel.skip_until
-        if kind not in ("partial", "final"):
-            return False
-        if float(message["end"]) <= channel.skip_until:
-            return True
-        channel.skip_until = -1.0
-        return False
-
-    def _speech_started(self, channel: Channel, start: float) -> None:
-        gap_ms = self.params.utterance_end_ms
-        last = channel.last_word_end
-        if (gap_ms and last is not None and channel.utterance_ended != last
-                and start - last >= gap_ms / 1000):
-            self._say_utterance_end(channel)  # the gap before this start was enough
-        if channel.spoke_at is None:
-            channel.spoke_at = start
-        if self.params.vad_events:
-            self.send({"type": "SpeechStarted", "channel": self._index(channel),
-                       "timestamp": round(start, 3)})
-
-    def _finalized(self, channel: Channel, seq: int) -> None:
-        """A Finalize's audio is all decoded: its finals go, the last ``from_finalize``
-        (an empty one where it ended no utterance)."""
-        if not channel.finalizes or channel.finalizes[0][0] > seq:
-            return
-        _, audio_s = channel.finalizes.popleft()
-        held, channel.held = channel.held, []
-        for final in held[:-1]:
-            self._final(channel, final, from_finalize=False)
-        if held:
-            self._final(channel, held[-1], from_finalize=True)
-        else:
-            self._final(channel, {"type": "final", "text": "", "start": channel.tile,
-                                  "end": max(channel.tile, audio_s), "words": []},
-                        from_finalize=True)
-
-    def _index(self, channel: Channel) -> list[int]:
-        return [channel.index, self.params.channels if self.params.split else 1]
-
-    def results(self, channel: Channel, result: dict, is_final: bool,
-                speech_final: bool = False, from_finalize: bool = False) -> dict[str, Any]:
-        start = min(channel.tile, float(result["start"]))
-        end = max(float(result["end"]), start)
-        message: dict[str, Any] = {
-            "type": "Results", "channel_index": self._index(channel),
-            "duration": round(end - start, 3), "start": round(start, 3),
-            "is_final": is_final, "speech_final": speech_final,
-            "channel": {"alternatives": [alternative(result, self.params)]},
-            "metadata": {"request_id": self.request_id, "model_uuid": self.model_uuid,
-                         "model_info": self.model_info}}
-        if is_final:
-            message["from_finalize"] = from_finalize
-        return message
-
-    def _final(self, channel: Channel, final: dict, from_finalize: bool) -> None:
-        length = float(final["end"]) - float(final["start"])
-        by_pause = (self.params.speech_final and not from_finalize
-                    and length < self.gateway.settings.max_utterance_s - LENGTH_CUT_S
-                    and not (channel.last_seq >= 0 and final.get("seq", -1) >= channel.last_seq))
-        has_text = bool(final.get("text", "").strip())
-        self.send(self.results(channel, final, True, by_pause and has_text, from_finalize))
-        channel.tile = max(channel.tile, float(final["end"]))
-        if has_text:
-            words = final.get("words") or []
-            channel.last_word_end = float(words[-1]["end"] if words else final["end"])
-            channel.spoke_at = None
-        self._utterance_end(channel)
-
-    def _utterance_end(self, channel: Channel) -> None:
-        """UtteranceEnd once the audio clock is ``utterance_end_ms`` (and the VAD's
-        slack) past the last word, with no speech started in between."""
-        gap_ms = self.params.utterance_end_ms
-        last = channel.last_word_end
-        if not gap_ms or last is None or channel.utterance_ended == last or channel.held:
-            return
-        gap_end = last + gap_ms / 1000
-        if channel.spoke_at is not None and channel.spoke_at < gap_end:
-            return
-        if channel.audio_s >= gap_end + UTTERANCE_END_SLACK_S or channel.ended:
-            self._say_utterance_end(channel)
-
-    def _say_utterance_end(self, channel: Channel) -> None:
-        last = channel.last_word_end
-        assert last is not None
-        channel.utterance_ended = last
-        self.send({"type": "UtteranceEnd", "channel": self._index(channel),
-                   "last_word_end": round(last, 3)})
-
-
-# ---- pre-recorded: POST /v1/listen -------------------------------------------------------
-
-
-def http(gateway: Gateway):
-    """``POST /v1/listen``: a whole recording's transcript, per channel with
-    ``multichannel=true``; a plain ``GET`` is told to upgrade."""
-    request_id = str(uuid.uuid4())
-    if request.method != "POST":
-        return ListenError(426, "UPGRADE_REQUIRED", "this is a WebSocket endpoint for live "
-                           "audio, or POST a recording").response(request_id)
-    try:
-        return prerecorded(gateway, request_id)
-    except ListenError as err:
-        return err.response(request_id)
-
-
-def prerecorded(gateway: Gateway, request_id: str):
-    try:
-        subject = gateway.auth.check(credential(request.environ))
-    except Unauthorized as err:
-        raise ListenError(401, "INVALID_AUTH", f"invalid credentials: {err.msg}") from None
-    query = parse_qs(request.query_string.decode("latin-1"), keep_blank_values=True)
-    params = Params.parse(query, gateway, live=False)
-    params.split = _flag(query, "multichannel")
-    if "json" in (request.content_type or ""):
-        raise ListenError(400, "Bad Request", "send the recording itself as the request "
-                          "body: this server does not fetch URLs")
-    limit = gateway.settings.max_upload_mb * 1024 * 1024
-    try:
-        body = read_body(request.environ, limit)
-    except BadBody as err:
-        raise ListenError(400, "Bad Request", str(err)) from None
-    except BodyTooLarge:
-        raise ListenError(413, "PAYLOAD_TOO_LARGE", f"the recording is larger than "
-                          f"{gateway.settings.max_upload_mb} MB "
-                          f"(COSYVOICE_MAX_UPLOAD_MB)") from None
-    if not body:
-        raise ListenError(400, "Bad Request", "the request body holds no audio")
-    streams, rate = off_the_loop(decode_recording, body, params)
-    if not any(streams):
-        raise ListenError(400, "Bad Request", "the payload cannot be decoded as audio")
-    if params.split:
-        params.channels = len(streams)
-    finals = transcribe_channels(gateway, params, streams, rate, subject)
-    about = metadata(request_id, hashlib.sha256(body).hexdigest(),
-                     max(len(pcm) / 2 / rate for pcm in streams), params)
-    channels = []
-    for channel_finals in finals:
-        joined = {"text": " ".join(f["text"].strip() for f in channel_finals
-                                   if f["text"].strip()),
-                  "words": [{**w, "speaker": w.get("speaker") or f.get("speaker")}
-                            for f in channel_finals for w in f.get("words") or []]}
-        channels.append({"alternatives": [alternative(joined, params)]})
-    results: dict[str, Any] = {"channels": channels}
-    if _flag(query, "utterances"):
-        results["utterances"] = utterances(finals, params, request_id)
-    return Response(json.dumps({"metadata": about, "results": results}),
-                    mimetype="application/json", headers={"dg-request-id": request_id})
-
-
-def transcribe_channels(gateway: Gateway, params: Params, streams: list[bytes], rate: int,
-                        subject: str) -> list[list[Any]]:
-    """Each stream's finals, the streams through sessions of their own at once."""
-    try:
-        req = parse_auth(params.session_auth(rate, file=True), gateway.modes,
-                         gateway.settings.accepted_codecs, (), gateway.languages)
-    except CosyvoiceError as err:
-        raise ListenError(400, "Bad Request", err.msg) from None
-    sessions = [FileSession(gateway, pcm, rate, req, label="listen", subject=subject)
-                for pcm in streams]
-    try:
-        for session in sessions:
-            session.open()
-        jobs = [gevent.spawn(lambda s=s: list(s.finals())) for s in sessions]
-        gevent.joinall(jobs)
-        for job in jobs:
-            if job.exception is not None:
-                raise job.exception
-        finals = [job.value for job in jobs]
-    except CosyvoiceError as err:
-        raise from_cosyvoice(err) from err
-    finally:
-        for session in sessions:
-            session.close()
-    if params.diarize:  # every piece of the recording at once labels better than live
-        finals = [speakers.recluster(f) for f in finals]
-    return finals
-
-
-def utterances(finals: list[list[Any]], params: Params, request_id: str) -> list[dict]:
-    """``utterances=true``: every final of every channel, as Deepgram lists them."""
-    return [{"start": f["start"], "end": f["end"], "channel": index,
-             "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{request_id}/{index}/{i}")),
-             **alternative(f, params),
-             **({"speaker": speaker_number(f.get("speaker"))} if params.diarize else {})}
-            for index, channel_finals in enumerate(finals)
-            for i, f in enumerate(channel_finals) if f["text"].strip()]
-
-
-def decode_recording(body: bytes, params: Params) -> tuple[list[bytes], int]:
-    """A recording's PCM per session (per channel with ``split``) and its rate."""
-    if params.encoding in RAW_ENCODINGS:
-        decoder = open_input(params.encoding, params.sample_rate, params.channels,
-                             params.split)
-        streams = decoder.feed(body)
-        streams = [a + b for a, b in zip(streams, decoder.flush(), strict=True)]
-        return streams, decoder.rate
-    from ...wire.audio import AudioFileError, read_channels
-    try:
-        streams, rate = read_channels(body, split=params.split)
-    except AudioFileError as err:
-        raise ListenError(400, "Bad Request", str(err)) from None
-    return streams, rate
