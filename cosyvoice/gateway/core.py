@@ -24,7 +24,7 @@ from socketio.exceptions import ConnectionRefusedError as Refused
 from .. import metrics
 from ..settings import Settings
 from ..store import bus as busmod
-from ..wire import abr, codecs
+from ..wire import abr, abr_estimator, codecs
 from ..wire.errors import (
     BadChunk,
     CosyvoiceError,
@@ -142,7 +142,7 @@ class Connection:
     codec: str = codecs.PCM16  # as the client asked (each chunk names its own)
     bitrate: int = 0  # codec opus: the rung the client asked for
     # A client that follows switches (auth.abr): its rungs' judge
-    estimator: abr.Estimator | None = None
+    estimator: abr_estimator.Estimator | None = None
     # the session's settings its worker reads, as stored in its hash (``language``,
     # ``script``, ``format``)
     options: dict[str, str] = field(default_factory=dict)
@@ -277,7 +277,7 @@ class Gateway:
         if why == "network_hint" and rungs.index(hinted) > rungs.index(start):
             start = hinted  # the hint says the link is slower than the rung asked for
         conn.codec, conn.bitrate = start.codec, start.bitrate if start.codec == codecs.OPUS else 0
-        conn.estimator = abr.Estimator(start, rungs=rungs)
+        conn.estimator = abr_estimator.Estimator(start, rungs=rungs)
 
     def _judge(self, conn: Connection, chunk: Chunk, payload_bytes: int, arrival_s: float,
                socket_id: str) -> None:

@@ -14,17 +14,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cosyvoice.wire.abr import (
-    RUNGS,
-    BaseDelay,
-    Config,
-    Decision,
-    Estimator,
-    Rung,
-    rung_for,
-    rung_named,
-    start_rung,
-)
+from cosyvoice.wire.abr import RUNGS, Config, Decision, Rung, rung_for, rung_named, start_rung
+from cosyvoice.wire.abr_estimator import BaseDelay, Estimator
 
 pytestmark = [pytest.mark.fast, pytest.mark.unit]
 
