@@ -228,11 +228,14 @@ def _raw_socket(service):
      "451-/ws,[\"audio_chunk\",{\"_placeholder\":true,\"num\":9}]"],
 ])
 def test_garbage_frames_do_not_hurt_the_gateway(service, frames):
+    import websocket
     ws = _raw_socket(service)
     try:
         for frame in frames:
             ws.send(frame)
         ws.send_binary(b"\xff\x00\xfe")
+    except (websocket.WebSocketConnectionClosedException, OSError):
+        pass  # the gateway may close a connection at its first malformed packet
     finally:
         ws.close()
     # the process is alive and serves a real session afterwards
