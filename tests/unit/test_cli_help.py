@@ -1,4 +1,4 @@
-"""The command's help (cosyvoice/cli.py): each subcommand's ``--help`` says what it is for
+"""The command's help (cosyvoice/cli/): each subcommand's ``--help`` says what it is for
 and shows its own arguments, not the 90 server settings; ``--help-settings`` lists those,
 and each still works as a flag."""
 
