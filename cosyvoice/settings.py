@@ -117,7 +117,7 @@ class Settings:
     # decode_busy_target of the time.
     final_wait_target_ms: int = 300
     final_target_ms: int = 400
-    # speaker labels (cosyvoice/text/speakers.py, docs/speakers.md): a piece of speech joins the
+    # speaker labels (cosyvoice/text/speakers/, docs/speakers.md): a piece of speech joins the
     # nearest speaker met so far at this cosine similarity or more, else starts a new one
     speaker_join: float = 0.78
     # where voice vectors are computed: "thread" (a thread of each worker process, while

@@ -53,7 +53,7 @@ class ConnectRequest:
     interim: bool = True
     endpoint_ms: int | None = None
     speech_events: bool = False
-    # speaker labels: the fields stored with the session (cosyvoice/text/speakers.py,
+    # speaker labels: the fields stored with the session (cosyvoice/text/speakers/,
     # ``diarize``, ``min_speakers``, ``max_speakers``), empty when not asked
     diarize: tuple[tuple[str, str], ...] = ()
 

@@ -21,7 +21,7 @@ the same cues:
   language written without spaces) and the session's ``language`` (that of most finals).
 - **WebVTT** says that language in its header (``Language: zh``); SRT has no header to say
   it in.
-- **Speakers** (finals with ``speaker``, cosyvoice/text/speakers.py): a cue never holds two
+- **Speakers** (finals with ``speaker``, cosyvoice/text/speakers/): a cue never holds two
   speakers (words carry their own), and its first line starts with its speaker, ``[S1] ``
   in SRT and as a voice span, ``<v S1>``, in WebVTT (not counted in the line's length);
   text starts a paragraph, ``S1: ``, at each change of speaker (a blank line between);

@@ -85,7 +85,7 @@ class Finalized(TypedDict):
 
 class Relabel(TypedDict):
     """The final of ``utterance`` (and its words) belongs to ``speaker`` after all: a later
-    final moved it (sessions with speaker labels, cosyvoice/text/speakers.py). Where its pieces
+    final moved it (sessions with speaker labels, cosyvoice/text/speakers/). Where its pieces
     now belong to different speakers, ``spans`` say whose each is: [start, end, speaker],
     each word the span's that holds its middle."""
     type: Literal["relabel"]

@@ -72,7 +72,7 @@ def split_ordered(results: Sequence[Outgoing]) -> tuple[list[Result], list[Outgo
 
 def with_relabel(result: Outgoing) -> list[Published]:
     """A result, and after it the ``relabel`` messages it carries: earlier finals it
-    moved to another speaker (cosyvoice/text/speakers.py)."""
+    moved to another speaker (cosyvoice/text/speakers/)."""
     if not isinstance(result, dict) or "relabel" not in result:
         return [result]  # type: ignore[list-item]
     out: Any = dict(result)
@@ -137,7 +137,7 @@ class Outbox:
     def __init__(self, state: Callable[[], dict[str, Any]] | None = None) -> None:
         self._queue: deque[Pending] = deque()
         # the session's stages' part of a checkpoint, read as the results the checkpoint
-        # goes with are published (the speakers met so far, cosyvoice/text/speakers.py)
+        # goes with are published (the speakers met so far, cosyvoice/text/speakers/)
         self._state = state
 
     def _checkpoint(self, checkpoint: Checkpoint | None) -> Checkpoint | None:

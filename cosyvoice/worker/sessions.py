@@ -40,7 +40,7 @@ class OwnedSession:
     rules: tuple[TextRule, ...] = ()
     # its results on their way out, in order (cosyvoice/worker/outbox.py)
     outbox: Outbox = field(default_factory=Outbox)
-    # what it keeps for speaker labels, where it asked for them (cosyvoice/text/speakers.py)
+    # what it keeps for speaker labels, where it asked for them (cosyvoice/text/speakers/)
     speakers: speakers.SessionSpeakers | None = None
     ended: bool = False  # ``last`` consumed: nothing more to read, the end is pending
     # its client is gone (the grace period): decoded after the connected sessions' work

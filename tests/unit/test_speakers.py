@@ -1,4 +1,4 @@
-"""Speaker labels' rules (cosyvoice/text/speakers.py) on the real speaker encoder and the speaker
+"""Speaker labels' rules (cosyvoice/text/speakers/) on the real speaker encoder and the speaker
 fixtures (three festival voices): pieces cut at pauses, online clustering and its
 checkpoint, the relabel of the final before, whole-file clustering, the auth options."""
 
@@ -12,6 +12,7 @@ import pytest
 
 from cosyvoice.text import speakers
 from cosyvoice.text.speakers import Memory, Options, SessionSpeakers
+from cosyvoice.text.speakers import memory as speaker_memory
 
 from ..helpers import conversation, read_pcm, speaker_texts
 
@@ -85,11 +86,11 @@ def test_the_memory_round_trips_through_a_checkpoint_and_forgets_into_anchors(ve
     assert again == labels[7:]
     # a memory of 4 pieces keeps the speakers apart by their anchors
     small = Memory()
-    old, speakers.MAX_PIECES = speakers.MAX_PIECES, 4
+    old, speaker_memory.MAX_PIECES = speaker_memory.MAX_PIECES, 4
     try:
         shown = place_all(small, vectors, turns)
     finally:
-        speakers.MAX_PIECES = old
+        speaker_memory.MAX_PIECES = old
     assert len(small.pieces) == 4 and set(small.anchors) == {0, 1}
     assert shown == [i % 2 for i in range(len(turns))]
 
@@ -112,13 +113,13 @@ def test_a_later_final_relabels_an_earlier_one():
     assert memory.place(3, [(12, 15, at(90))], Options())[0] == [1]
     # a final moved as its pieces are forgotten (into anchors) is still said to move
     small = Memory()
-    old, speakers.MAX_PIECES = speakers.MAX_PIECES, 1
+    old, speaker_memory.MAX_PIECES = speaker_memory.MAX_PIECES, 1
     try:
         small.place(0, [(0, 3, at(0))], Options())
         small.place(1, [(4, 7, at(40))], Options())
         who, changed = small.place(2, [(8, 11, at(20))], Options())
     finally:
-        speakers.MAX_PIECES = old
+        speaker_memory.MAX_PIECES = old
     assert [p.utterance for p in small.pieces] == [2]
     assert changed == [(1, [(4.0, 7.0, 0)])]
     assert speakers.relabel(1, changed[0][1]) == {"utterance": 1, "speaker": "S1"}
