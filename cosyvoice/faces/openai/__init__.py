@@ -1,2 +1,3 @@
 """OpenAI's faces: the transcription REST API (``transcriptions``) and the Realtime
-transcription WebSocket (``realtime``), which share OpenAI's error shape."""
+transcription WebSocket (``realtime``; its handshake and session configuration in
+``realtime_setup``), which share OpenAI's error shape."""

@@ -29,7 +29,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import gevent
@@ -41,23 +41,21 @@ from geventwebsocket.exceptions import WebSocketError
 from ... import metrics
 from ...gateway.apikeys import ANONYMOUS
 from ...gateway.core import Connection, Gateway
-from ...gateway.limits import ENDPOINT_MS, MAX_PROMPT_CHARS, parse_auth
+from ...gateway.limits import parse_auth
 from ...gateway.outputs import SessionsOutput
 from ...gateway.wsframes import MESSAGE_LIMITS, ON_TOO_BIG
-from ...gateway.wshandler import PRECHECKS, SUBPROTOCOLS, Refusal, close_ws
+from ...gateway.wshandler import PRECHECKS, SUBPROTOCOLS, close_ws
 from ...wire.codecs import CHUNK_MS
 from ...wire.errors import CosyvoiceError, Overloaded, Unauthorized
 from ...wire.languages import joined_piece
+from .realtime_setup import RATE, Config, EventError, credential, precheck, updated
 from .transcriptions import ApiError
 
 log = logging.getLogger(__name__)
 
 PATH = "/v1/realtime"
-RATE = 24000  # the Realtime API's PCM rate
 CHUNK_BYTES = RATE * 2 * CHUNK_MS // 1000
 MIN_COMMIT_MS = 100  # OpenAI's: a commit of less audio is an error
-DEFAULT_SILENCE_MS = 500  # server_vad's default silence_duration_ms
-KEY_PROTOCOL = "openai-insecure-api-key."  # a browser's key, as a subprotocol
 
 
 def install(app: Flask, gateway: Gateway) -> None:
@@ -68,36 +66,6 @@ def install(app: Flask, gateway: Gateway) -> None:
     # GET answers 426
     app.add_url_rule(PATH, "openai_realtime", lambda: connect(gateway), websocket=True)
     app.add_url_rule(PATH, "openai_realtime_http", lambda: connect(gateway))
-
-
-def _refusal(status: str, message: str, code: str | None) -> Refusal:
-    body = json.dumps(ApiError(int(status[:3]), message, code=code).body()).encode()
-    return status, [("Content-Type", "application/json")], body
-
-
-def precheck(gateway: Gateway, environ: dict) -> Refusal | None:
-    """Before the upgrade: a transcription session, and the key where one is needed."""
-    from urllib.parse import parse_qs
-
-    query = parse_qs(environ.get("QUERY_STRING", ""))
-    if query.get("intent", ["transcription"])[0] != "transcription":
-        return _refusal("400 Bad Request", "only transcription sessions are served here: "
-                        "connect with ?intent=transcription", "invalid_intent")
-    try:
-        gateway.auth.check(credential(environ))
-    except Unauthorized as err:
-        return _refusal("401 Unauthorized", err.msg, "invalid_api_key")
-    return None
-
-
-def credential(environ: dict) -> str | None:
-    """The key of the handshake: ``Authorization: Bearer``, or a browser's subprotocol."""
-    scheme, _, key = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
-    if scheme.lower() != "bearer":
-        key = next((p.strip()[len(KEY_PROTOCOL):] for p in
-                    environ.get("HTTP_SEC_WEBSOCKET_PROTOCOL", "").split(",")
-                    if p.strip().startswith(KEY_PROTOCOL)), "")
-    return key.strip() or None
 
 
 def connect(gateway: Gateway):
@@ -112,68 +80,6 @@ def connect(gateway: Gateway):
         return Response()
     Realtime(gateway, ws, subject).run(request.args.get("session") or None)
     return Response()
-
-
-def _include(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise EventError("include must be a list of strings", param="session.include")
-    return value
-
-
-class EventError(Exception):
-    """A client event that cannot be done: an ``error`` event, the connection goes on."""
-
-    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None):
-        super().__init__(message)
-        self.message, self.code, self.param = message, code, param
-
-
-@dataclass
-class Config:
-    """A Realtime transcription session's configuration, as ``session.update`` set it."""
-    model: str = "whisper-1"
-    language: str | None = None
-    prompt: str = ""
-    vad: dict[str, Any] | None = field(default_factory=lambda: {
-        "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
-        "silence_duration_ms": DEFAULT_SILENCE_MS})
-    include: list[str] = field(default_factory=list)
-
-    def session_auth(self) -> dict[str, Any]:
-        """The cosyvoice session this configuration asks for (its ``auth``)."""
-        auth: dict[str, Any] = {"sample_rate": RATE}
-        if self.language:
-            auth["language"] = self.language
-        if self.prompt:
-            auth["prompt"] = self.prompt[-MAX_PROMPT_CHARS:]
-        if self.vad is None:  # commits end the turns: the endpointer's longest silence
-            auth.update(endpoint_ms=ENDPOINT_MS[1], interim=False)
-        else:
-            silence = int(self.vad.get("silence_duration_ms") or DEFAULT_SILENCE_MS)
-            low, high = ENDPOINT_MS
-            auth.update(endpoint_ms=min(high, max(low, silence)), speech_events=True,
-                        interim=False)
-        return auth
-
-    def ga(self, session_id: str) -> dict[str, Any]:
-        return {"type": "transcription", "id": session_id,
-                "object": "realtime.transcription_session",
-                "audio": {"input": {
-                    "format": {"type": "audio/pcm", "rate": RATE},
-                    "transcription": {"model": self.model, "language": self.language,
-                                      "prompt": self.prompt},
-                    "turn_detection": self.vad, "noise_reduction": None}},
-                "include": self.include}
-
-    def beta(self, session_id: str) -> dict[str, Any]:
-        return {"id": session_id, "object": "realtime.transcription_session",
-                "input_audio_format": "pcm16",
-                "input_audio_transcription": {"model": self.model, "language": self.language,
-                                              "prompt": self.prompt},
-                "turn_detection": self.vad, "input_audio_noise_reduction": None,
-                "include": self.include}
 
 
 @dataclass
@@ -399,13 +305,7 @@ class Realtime:
         session = event.get("session")
         if not isinstance(session, dict):
             raise EventError("session must be an object", param="session")
-        config = Config(**vars(self.config))
-        if beta:
-            self._update_beta(config, session)
-        else:
-            self._update_ga(config, session)
-        if "include" in session:
-            config.include = _include(session["include"])
+        config = updated(self.config, session, beta, self.gateway.languages)
         changed = config.session_auth() != self.config.session_auth()
         self.config = config
         if changed and self.segment is not None:
@@ -413,71 +313,6 @@ class Realtime:
         self._save()
         self.send({"type": "transcription_session.updated" if beta else "session.updated",
                    "session": config.beta(self.id) if beta else config.ga(self.id)})
-
-    def _update_ga(self, config: Config, session: dict) -> None:
-        if session.get("type", "transcription") != "transcription":
-            raise EventError("only transcription sessions are served here",
-                             param="session.type")
-        audio = session.get("audio", {})
-        audio_in = audio.get("input", {}) if isinstance(audio, dict) else None
-        if not isinstance(audio_in, dict):
-            raise EventError("session.audio.input must be an object",
-                             param="session.audio.input")
-        if "format" in audio_in:
-            fmt = audio_in["format"]
-            if (not isinstance(fmt, dict) or fmt.get("type") != "audio/pcm"
-                    or fmt.get("rate", RATE) != RATE):
-                raise EventError("the input format is audio/pcm at 24000 Hz",
-                                 param="session.audio.input.format")
-        self._update_turns(config, audio_in, "session.audio.input.", "transcription")
-
-    def _update_beta(self, config: Config, session: dict) -> None:
-        if session.get("input_audio_format", "pcm16") != "pcm16":
-            raise EventError("the input format is pcm16 (24000 Hz)",
-                             param="session.input_audio_format")
-        self._update_turns(config, session, "session.", "input_audio_transcription")
-
-    def _update_turns(self, config: Config, section: dict, path: str,
-                      transcription: str) -> None:
-        """The transcription and turn detection of either shape: where the GA shape has
-        them (``session.audio.input``) or the beta one (``session``)."""
-        if transcription in section:
-            self._transcription(config, section[transcription], path + transcription)
-        if "turn_detection" in section:
-            config.vad = self._turn_detection(section["turn_detection"],
-                                              path + "turn_detection")
-
-    def _transcription(self, config: Config, t: Any, param: str) -> None:
-        if t is None:
-            return
-        if not isinstance(t, dict):
-            raise EventError("transcription must be an object", param=param)
-        if isinstance(t.get("model"), str):
-            config.model = t["model"]
-        language = t.get("language") or None
-        if language is not None and language not in self.gateway.languages:
-            raise EventError(f"language {str(language)[:16]!r} is not offered on this server",
-                             "unsupported_language", param + ".language")
-        config.language = language
-        prompt = t.get("prompt") or ""
-        if not isinstance(prompt, str):
-            raise EventError("prompt must be a string", param=param + ".prompt")
-        config.prompt = prompt
-
-    def _turn_detection(self, td: Any, param: str) -> dict[str, Any] | None:
-        if td is None:
-            return None
-        if not isinstance(td, dict) or td.get("type", "server_vad") not in ("server_vad",
-                                                                           "semantic_vad"):
-            raise EventError("turn_detection is server_vad, semantic_vad or null", param=param)
-        silence = td.get("silence_duration_ms", DEFAULT_SILENCE_MS)
-        if type(silence) is not int or not 0 <= silence <= 10000:
-            raise EventError("silence_duration_ms must be an integer of milliseconds",
-                             param=param + ".silence_duration_ms")
-        return {"type": td.get("type", "server_vad"),
-                "threshold": td.get("threshold", 0.5),
-                "prefix_padding_ms": td.get("prefix_padding_ms", 300),
-                "silence_duration_ms": silence}
 
     def on_append(self, event: dict) -> None:
         audio = event.get("audio")
