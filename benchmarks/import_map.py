@@ -11,12 +11,15 @@ layout by role.
 from __future__ import annotations
 
 import argparse
-import ast
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.import_graph import cyclic, graph  # noqa: E402
 
 
 def sources(rev: str | None) -> dict[str, str]:
@@ -29,45 +32,6 @@ def sources(rev: str | None) -> dict[str, str]:
     return {n: subprocess.run(["git", "show", f"{rev}:{n}"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout
             for n in names if n.endswith(".py")}
-
-
-def module_of(path: str) -> str:
-    parts = list(Path(path).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def graph(files: dict[str, str]) -> dict[str, set[str]]:
-    known = {module_of(p) for p in files}
-    out: dict[str, set[str]] = {}
-    for path, text in files.items():
-        module = module_of(path)
-        package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(text)):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = package[:len(package) - node.level + 1] if node.level else []
-                target = ".".join(base + (node.module.split(".") if node.module else []))
-                names = [f"{target}.{a.name}" if f"{target}.{a.name}" in known else target
-                         for a in node.names]
-            found.update(n for n in names if n in known and n != module)
-        out[module] = found
-    return out
-
-
-def cyclic(g: dict[str, set[str]]) -> list[str]:
-    def reach(start: str) -> set[str]:
-        seen: set[str] = set()
-        todo = [start]
-        while todo:
-            for dep in g[todo.pop()]:
-                if dep not in seen:
-                    seen.add(dep)
-                    todo.append(dep)
-        return seen
-    return sorted(m for m in g if m in reach(m))
 
 
 def main() -> None:
