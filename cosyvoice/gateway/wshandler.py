@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +61,22 @@ def shut_later(ws: Any, seconds: float) -> None:
     sock = getattr(getattr(ws, "handler", None), "socket", None)
     if sock is not None:
         gevent.spawn_later(seconds, shut, sock)
+
+
+def watch_idle(timeout: float, quiet_since: Callable[[], float | None],
+               closed: Callable[[], bool], on_idle: Callable[[], None]) -> None:
+    """A raw WebSocket face's idle timer, run as the connection's greenlet: ``on_idle()``
+    once the client has been quiet for more than ``timeout`` seconds since
+    ``quiet_since()`` (monotonic; None: not counting now); it ends when ``closed()``.
+    ``timeout`` 0: never."""
+    if timeout <= 0:
+        return
+    while not closed():
+        gevent.sleep(min(0.5, timeout / 4))
+        since = quiet_since()
+        if since is not None and time.monotonic() - since > timeout:
+            on_idle()
+            return
 
 
 def shut(sock: Any) -> None:

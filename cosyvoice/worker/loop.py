@@ -169,7 +169,7 @@ class Worker:
             self._decode_guarded(sid, entries)
         spare = (all(len(entries) < READ_COUNT for entries in here.values())
                  and not self._connected_waiting())
-        if spare and self._spare:
+        if spare:  # (away sessions were read only because the last round was spare too)
             for sid in away:
                 self._decode_guarded(sid, batch[sid])
         self._spare = spare

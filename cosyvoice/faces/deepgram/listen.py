@@ -65,6 +65,7 @@ from ...gateway.wshandler import (
     UPGRADE_HEADERS,
     Refusal,
     close_ws,
+    watch_idle,
 )
 from ...wire.codecs import CHUNK_MS
 from ...wire.errors import CosyvoiceError, Unauthorized
@@ -342,14 +343,13 @@ class Listen(Results):
 
     def watch_idle(self) -> None:
         timeout = self.gateway.settings.listen_idle_timeout_s
-        if timeout <= 0:
-            return
-        while not self.closed:
-            gevent.sleep(min(0.5, timeout / 4))
-            if not self.closing and time.monotonic() - self.heard > timeout:
-                log.info("listen connection %s idle", self.request_id)
-                self.fail(1011, "NET-0001", f"no audio and no KeepAlive for {timeout:g} s")
-                return
+
+        def idle() -> None:
+            log.info("listen connection %s idle", self.request_id)
+            self.fail(1011, "NET-0001", f"no audio and no KeepAlive for {timeout:g} s")
+
+        watch_idle(timeout, lambda: None if self.closing else self.heard,
+                   lambda: self.closed, idle)
 
     # ---- client frames ----------------------------------------------------------------
 

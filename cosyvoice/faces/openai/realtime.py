@@ -44,7 +44,7 @@ from ...gateway.core import Connection, Gateway
 from ...gateway.limits import parse_auth
 from ...gateway.outputs import SessionsOutput
 from ...gateway.wsframes import MESSAGE_LIMITS, ON_TOO_BIG
-from ...gateway.wshandler import PRECHECKS, SUBPROTOCOLS, close_ws
+from ...gateway.wshandler import PRECHECKS, SUBPROTOCOLS, close_ws, watch_idle
 from ...wire.codecs import CHUNK_MS
 from ...wire.errors import CosyvoiceError, Overloaded, Unauthorized
 from ...wire.languages import joined_piece
@@ -166,16 +166,14 @@ class Realtime:
         """No event for ``realtime_idle_timeout_s``: say so and close (the session waits
         for a resume, as after any disconnect)."""
         timeout = self.gateway.settings.realtime_idle_timeout_s
-        if timeout <= 0:
-            return
-        while not self.closed:
-            gevent.sleep(min(1.0, timeout / 4))
-            if time.monotonic() - self.heard > timeout:
-                log.info("realtime connection %s idle", self.id)
-                self.error(f"no event for {timeout:g} s", "idle_timeout")
-                self.closed = True
-                close_ws(self.ws, 1000, f"idle for {timeout:g} s")
-                return
+
+        def idle() -> None:
+            log.info("realtime connection %s idle", self.id)
+            self.error(f"no event for {timeout:g} s", "idle_timeout")
+            self.closed = True
+            close_ws(self.ws, 1000, f"idle for {timeout:g} s")
+
+        watch_idle(timeout, lambda: self.heard, lambda: self.closed, idle)
 
     # ---- resume -----------------------------------------------------------------------
 
