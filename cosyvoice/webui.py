@@ -22,6 +22,7 @@ from flask_socketio import SocketIO
 from socketio import packet as socketio_packet
 
 from . import debug_mem, openapi
+from .faces.socketio import SocketIOFace
 from .gateway import fastws, probes, wsframes
 from .gateway.core import Gateway, session_limits
 from .gateway.limits import MAX_AUTH_BYTES
@@ -133,7 +134,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
                                       cluster=settings.redis_cluster,
                                       ca_file=settings.redis_ca_file)
     gateway = Gateway(settings, socketio, client, relay_results)
-    gateway.register()
+    SocketIOFace(gateway).register()
     if settings.trusted_proxies > 0:
         from werkzeug.middleware.proxy_fix import ProxyFix
         n = settings.trusted_proxies

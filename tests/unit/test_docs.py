@@ -13,7 +13,8 @@ import tomllib
 import pytest
 import yaml
 
-from cosyvoice.gateway.core import Connection, session_event, session_limits
+from cosyvoice.faces.socketio import session_event
+from cosyvoice.gateway.core import Connection, session_limits
 from cosyvoice.settings import Settings
 from cosyvoice.wire.errors import ERROR_CODES
 

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from lupa import lua51
 
 from cosyvoice.client import ABR_IN_FLIGHT, MAX_IN_FLIGHT, SendWindow, StreamingClient
-from cosyvoice.gateway.core import Connection, ack_for, error_ack, session_event, session_limits
+from cosyvoice.faces.socketio import error_ack, session_event
+from cosyvoice.gateway.core import Connection, ack_for, session_limits
 from cosyvoice.settings import Settings
 from cosyvoice.store import bus as busmod
 from cosyvoice.store import scripts
