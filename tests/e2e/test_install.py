@@ -58,8 +58,10 @@ def pip(venv: Path, *args: str) -> None:
 
 def venv_for(name: str, steps: list[list[str]], refresh: list[list[str]]) -> Path:
     """A virtual environment built by ``steps`` (pip install arguments), cached by the
-    contents of pyproject.toml; ``refresh`` reinstalls the project's own code."""
+    contents of pyproject.toml and the checkout's path (an editable install points
+    there); ``refresh`` reinstalls the project's own code."""
     key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + repr(steps).encode()
+                         + str(ROOT.resolve()).encode()
                          + sys.version.encode()).hexdigest()[:16]
     venv = VENVS / f"{name}-{key}"
     if (venv / "ready").exists():
