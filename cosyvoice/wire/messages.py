@@ -13,7 +13,7 @@ A result travels engine → worker → Redis (``text:{SID}``) → gateway → cl
 - the gateway's relay reads them back (``from_json``) and emits each as the Socket.IO
   event ``to_event`` names: ``text`` (a ``TextEvent``: the result and its stream
   ``id``), ``end`` or ``error`` (docs/protocol.md, "Events"), which clients read as these
-  types (cosyvoice/client.py).
+  types (cosyvoice/client/).
 
 A session's ``Checkpoint`` is what a worker taking it over starts from: the audio entry it
 holds at and the engine's state there (``Stream.checkpoint``), stored in

@@ -10,212 +10,40 @@ and survives what a real network does to it:
 * ``unavailable`` (Redis down), ``rate_limited`` and ``seq_gap`` rewind to the chunk the
   server needs and resend after a pause;
 * ``overloaded`` at connect is retried after the server's hint, a few times.
+
+``window`` holds the send rule (``SendWindow``), ``transcript`` what a session received
+(``Transcript``), ``reach`` the errors of a service that cannot be reached or refuses, and
+why (``diagnose``); their names are this package's too.
 """
 
 from __future__ import annotations
 
-import http.client
-import math
-import socket
-import ssl
+__all__ = ["MAX_IN_FLIGHT", "RECOVERED", "RETRYABLE", "Refused", "SendWindow",
+           "StreamingClient", "TranscribeError", "Transcript", "Unreachable", "check_url",
+           "diagnose", "transcribe_pcm"]
+
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, Callable, cast
-from urllib.parse import urlsplit
 
 import socketio
 
-from .text.speakers import apply_relabel
-from .wire import codecs
-from .wire.audio import split_chunks
-from .wire.codecs import resample
-from .wire.languages import join_texts
-from .wire.messages import EndEvent, ErrorEvent, TextEvent
-from .wire.protocol import CHUNK_MS, NAMESPACE, encode_chunk, encode_opus_chunk
+from ..text.speakers import apply_relabel
+from ..wire import codecs
+from ..wire.audio import split_chunks
+from ..wire.codecs import resample
+from ..wire.messages import EndEvent, ErrorEvent, TextEvent
+from ..wire.protocol import NAMESPACE, encode_chunk, encode_opus_chunk
+from .reach import Refused, TranscribeError, Unreachable, check_url, diagnose
+from .transcript import RECOVERED, RETRYABLE, Transcript
+from .window import MAX_IN_FLIGHT, SendWindow
 
-# Chunks sent and not yet acknowledged, at most.
-MAX_IN_FLIGHT = 64
 # Chunks in flight for a client that follows switches (``abr``), beyond those its path's
 # own round trip holds: about a second, so the network's queue stays short and what waits
 # is sent at the rung in use when it goes.
 ABR_IN_FLIGHT = 5
-# Error codes after which the client rewinds and resends rather than giving up.
-RETRYABLE = {"unavailable", "rate_limited", "seq_gap"}
-# errors the stream recovers from by itself: a session lost by the store is replaced by a
-# new one on the same connection, whose ``session`` event starts the audio again
-RECOVERED = {"session_lost"}
 RETRY_PAUSE_S = 0.5
-
-
-class TranscribeError(Exception):
-    """The stream did not reach its end: the subclass says why."""
-
-    def __init__(self, code: str, msg: str):
-        super().__init__(f"{code}: {msg}")
-        self.code = code
-        self.msg = msg
-
-
-class Unreachable(TranscribeError):
-    """No cosyvoice service could be reached at the URL, or the connection was lost."""
-
-    def __init__(self, msg: str):
-        super().__init__("unavailable", msg)
-
-
-class Refused(TranscribeError):
-    """The service answered and refused the session (``code`` is its wire error)."""
-
-
-def check_url(url: str) -> str:
-    """``url`` if a client can connect to it, else ValueError saying what is wrong."""
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 (raises ValueError on a bad port)
-    except ValueError as exc:
-        raise ValueError(f"{url!r} is not a URL ({exc})") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
-    return url
-
-
-def diagnose(url: str, ssl_verify: bool = True, timeout: float = 5.0) -> str | None:
-    """Why no Socket.IO session opens at ``url``, in one line; None when the server
-    looks like a Socket.IO server (the cause is then elsewhere)."""
-    parts = urlsplit(url)
-    tls = parts.scheme == "https"
-    host, port = parts.hostname or "", parts.port or (443 if tls else 80)
-    where = f"{host}:{port}"
-    if tls:
-        context = ssl.create_default_context()
-        if not ssl_verify:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-            host, port, timeout=timeout, context=context)
-    else:
-        conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    path = parts.path.rstrip("/") + "/socket.io/?EIO=4&transport=polling"
-    try:
-        conn.request("GET", path)
-        status = conn.getresponse().status
-    except socket.gaierror:
-        return f"cannot resolve the host name {host!r}"
-    except ConnectionRefusedError:
-        return f"nothing listens on {where} (connection refused)"
-    except (TimeoutError, socket.timeout):
-        return f"{where} did not answer within {timeout:g} s"
-    except ssl.SSLCertVerificationError as exc:
-        return (f"the TLS certificate of {where} is not trusted ({exc.verify_message}); "
-                "--insecure skips the check")
-    except ssl.SSLError as exc:
-        return f"TLS with {where} failed ({exc.reason}); does it serve https?"
-    except (http.client.HTTPException, ConnectionError) as exc:
-        return f"{where} does not answer HTTP ({type(exc).__name__}); is this the service's URL?"
-    except OSError as exc:
-        return f"cannot reach {where}: {exc.strerror or exc}"
-    finally:
-        conn.close()
-    if status == 404:
-        return f"{url} is not a cosyvoice service (HTTP 404 for /socket.io/)"
-    if status >= 500 or (status >= 300 and status != 400):
-        return f"{url} answered HTTP {status} for /socket.io/ (a proxy with no service behind it?)"
-    return None
-
-
-@dataclass
-class SendWindow:
-    """Which chunk to send next, and when: the client's send rule, pure (no I/O, no clock
-    of its own). Chunks ``acked`` and below are stored by the server; ``next`` is the
-    next one to send; at most ``limit`` are sent and not acknowledged beyond the chunks
-    the path's shortest round trip seen so far holds (``min_rtt_s``): a 2 s round trip
-    holds ten 200 ms chunks before a single one queues."""
-
-    next: int = 0
-    acked: int = -1
-    pause_until: float = 0.0
-    limit: int = MAX_IN_FLIGHT  # chunks sent and not acknowledged, beyond the round trip
-    min_rtt_s: float | None = None
-    # Until the first ack: how long the connection's handshake took, at least one round trip
-    # (about two), so a long path does not stall the first round trip's chunks and then
-    # send them in one burst (which a narrow link would queue, and adaptive bitrate read
-    # as congestion).
-    handshake_s: float | None = None
-
-    def start(self, next_seq: int) -> None:
-        """A ``session`` event: the server has every chunk before ``next_seq``."""
-        self.next, self.acked = next_seq, next_seq - 1
-
-    def ack(self, seq: int, rtt_s: float | None = None) -> None:
-        self.acked = max(self.acked, seq)
-        if rtt_s is not None and rtt_s >= 0:
-            self.min_rtt_s = rtt_s if self.min_rtt_s is None else min(self.min_rtt_s, rtt_s)
-
-    @property
-    def in_flight(self) -> int:
-        """Chunks that may be sent and not acknowledged now."""
-        rtt_s = self.min_rtt_s if self.min_rtt_s is not None else self.handshake_s
-        return self.limit + math.floor((rtt_s or 0.0) * 1000 / CHUNK_MS)
-
-    def rewind(self, seq: int, now: float, pause_s: float = 0.0) -> None:
-        """Send again from ``seq`` (the server asked for it), after ``pause_s``."""
-        self.next = min(self.next, seq)
-        if pause_s:
-            self.pause_until = now + pause_s
-
-    def done(self, total: int) -> bool:
-        return self.acked >= total - 1
-
-    def wait(self, total: int, now: float, start: float, realtime: bool) -> float:
-        """Seconds to wait before sending ``next`` (0 or less: send it now)."""
-        if self.next >= total:
-            return 0.2  # everything is sent: wait for acks (or a rewind)
-        if self.next - self.acked > self.in_flight:
-            return 0.05
-        waits = [self.pause_until - now]
-        if realtime:
-            waits.append(start + self.next * CHUNK_MS / 1000 - now)
-        return max(waits)
-
-    def take(self) -> int:
-        seq, self.next = self.next, self.next + 1
-        return seq
-
-
-@dataclass
-class Transcript:
-    session: str = ""
-    partials: list[TextEvent] = field(default_factory=list)
-    finals: list[TextEvent] = field(default_factory=list)
-    errors: list[ErrorEvent] = field(default_factory=list)
-    # Connections the server refused (the wire error of each connect_error); an
-    # `overloaded` one is retried, and only the last refusal ends the stream.
-    refusals: list[dict] = field(default_factory=list)
-    acks: list[dict] = field(default_factory=list)
-    # (event, payload) of every switch_down / switch_up the server sent
-    switches: list[tuple[str, dict]] = field(default_factory=list)
-    # speech_started events (auth.speech_events) and finalized ones (chunks with finalize)
-    speech_started: list[dict] = field(default_factory=list)
-    finalized: list[dict] = field(default_factory=list)
-    # relabel events (speaker labels): each is applied to ``finals`` as it comes
-    relabels: list[dict] = field(default_factory=list)
-    # load events: the server spaced this session's partials out (partial_interval_ms)
-    loads: list[dict] = field(default_factory=list)
-    ended: bool = False
-    resumes: int = 0
-    # (monotonic time, event, payload) of everything received, for latency measurements.
-    events: list[tuple[float, str, Mapping[str, Any]]] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        kept = [f for f in self.finals if f["text"]]
-        return join_texts([f["text"] for f in kept], [f.get("language") for f in kept]).strip()
-
-    @property
-    def fatal_errors(self) -> list[ErrorEvent]:
-        return [e for e in self.errors if e.get("code") not in RETRYABLE | RECOVERED]
 
 
 class StreamingClient:
