@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import soxr
 
-from cosyvoice.asr import ENGINES, live_engine, load_model, tiny_whisper
+from cosyvoice.asr import ENGINES, live_engine, live_stream, load_model, tiny_whisper
 from cosyvoice.settings import Settings
 
 from ..helpers import (
@@ -154,9 +154,9 @@ def test_contract_no_speech_ends_cleanly(engine, name):
 
 @pytest.mark.fast
 def test_agreed_prefix_ignores_case_and_punctuation():
-    assert live_engine.agreed_prefix(["The", "weather", "is"], ["the", "weather,", "was"]) == 2
-    assert live_engine.agreed_prefix([], ["a"]) == 0
-    assert live_engine.agreed_prefix(["a", "b"], ["a", "b", "c"]) == 2
+    assert live_stream.agreed_prefix(["The", "weather", "is"], ["the", "weather,", "was"]) == 2
+    assert live_stream.agreed_prefix([], ["a"]) == 0
+    assert live_stream.agreed_prefix(["a", "b"], ["a", "b", "c"]) == 2
 
 
 @pytest.mark.fast
@@ -208,7 +208,7 @@ def test_finals_carry_word_times_confidences_and_the_engine(live):
 
 def test_long_speech_without_a_pause_is_cut_below_the_window(live):
     pcm = fixture("long_unbroken")
-    assert len(pcm) / 32000 > live_engine.MAX_CLIP_S - 5
+    assert len(pcm) / 32000 > live_stream.MAX_CLIP_S - 5
     results, _ = run_stream(live, pcm)
     assert len(finals(results)) >= 2
     assert all(f["end"] - f["start"] <= 20.0 + 0.3 for f in finals(results))
