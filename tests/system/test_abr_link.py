@@ -78,8 +78,10 @@ def test_on_a_150_kbit_link_fixed_pcm_falls_behind_and_abr_keeps_up(link, servic
     assert downs[0]["bitrate"] in (32000, 24000, 16000, 12000)
     session = [e for e in adaptive if e["event"] == "session"][0]
     assert session["codec"] == "pcm16"  # no hint from a script: it starts on the highest
-    # the last final within a few seconds of the audio's end (process start and stop
-    # included), and as accurate as the fixed run within the Opus rungs' measured cost
-    assert adaptive_s < audio_s + 4
+    # it keeps up: its last final comes seconds before the fixed run's. Compared with the
+    # fixed run rather than the audio's length: both runs pay the same process start and
+    # stop, which a busy machine stretches. And as accurate as the fixed run within the
+    # Opus rungs' measured cost.
+    assert fixed_s - adaptive_s > 3, (fixed_s, adaptive_s)
     assert corpus_wer([refs], [text_of(adaptive)]) <= corpus_wer([refs], [text_of(fixed)]) + 0.035
     assert _switches(service.url) >= switches_before + 1

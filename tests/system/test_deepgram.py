@@ -180,7 +180,9 @@ def test_keepalive_holds_an_idle_stream_and_without_it_the_stream_closes(face):
                 pass
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1011
     assert closed.value.rcvd.reason.startswith("NET-0001")
-    assert IDLE_S <= time.monotonic() - started < IDLE_S + 3
+    # Not before the idle timeout; how soon after it depends on how busy the machine is,
+    # so the upper bound only tells a close from none (the watcher checks twice a second).
+    assert IDLE_S <= time.monotonic() - started < IDLE_S + 60
 
 
 def stereo(left: bytes, right: bytes) -> bytes:
